@@ -1,0 +1,66 @@
+"""The one validated configuration tree of a rank's engine.
+
+`EngineConfig` is what `LLM(...)` takes as keywords and what the `engine:` section of a Serve config
+file holds, name for name. It is frozen: derived values are properties, never mutations.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    model: str = Field("tiny-dsv3", description="built-in model name or a local HF checkpoint directory")
+    tokenizer: str | None = Field(None, description="tokenizer directory; defaults to the model's")
+    ep_size: int = Field(1, ge=1, description="expert-parallel ranks in one group")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    enable_overlap_schedule: bool = True
+    enable_two_batch_overlap: bool = False
+    enable_single_batch_overlap: bool = False
+    moe_a2a_backend: Literal["auto", "none", "torch", "deepep"] = "auto"
+    deepep_mode: Literal["auto", "normal", "low_latency"] = "auto"
+    moe_runner_backend: Literal["auto", "torch", "deep_gemm"] = "auto"
+    tbo_token_distribution_threshold: float = Field(0.48, gt=0.0, lt=0.5)
+    tbo_min_tokens: int = Field(2, ge=2, description="below this many tokens on a rank TBO falls back")
+
+    chunked_prefill_size: int = Field(2048, ge=1, description="token budget of one prefill batch")
+    max_running_requests: int = Field(256, ge=1)
+    max_prefill_requests: int | None = Field(None, ge=1)
+    page_size: int = Field(16, ge=1)
+    kv_cache_tokens: int | None = Field(None, ge=1, description="KV pool size in tokens; default from memory budget")
+    kv_cache_memory_bytes: int | None = Field(None, ge=1, description="memory budget for the KV pool")
+    max_model_len: int | None = Field(None, ge=1, description="context limit; defaults to the model's")
+    enable_prefix_caching: bool = True
+    schedule_policy: Literal["fcfs", "priority"] = "fcfs"
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.enable_two_batch_overlap and self.ep_size == 1 and self.moe_a2a_backend == "none":
+            raise ValueError("enable_two_batch_overlap needs an all-to-all backend (moe_a2a_backend)")
+        return self
+
+    @property
+    def resolved_a2a_backend(self) -> str:
+        """`auto`: no all-to-all for one rank, DeepEP when it can run, torch collectives otherwise."""
+        if self.moe_a2a_backend != "auto":
+            return self.moe_a2a_backend
+        if self.ep_size == 1:
+            return "none"
+        from engine.moe import deepep_available
+
+        return "deepep" if deepep_available() else "torch"
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

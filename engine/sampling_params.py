@@ -1,0 +1,42 @@
+"""Per-request sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: bool = False
+    prompt_logprobs: bool = False
+    priority: int = 0  # lower runs first under schedule_policy="priority"
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("top_k must be -1 (disabled) or >= 1")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = [v]
+        if v is not None and any(not s for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
