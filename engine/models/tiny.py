@@ -237,9 +237,7 @@ def _generate_weights(config) -> dict[str, torch.Tensor]:
             linear(f"{a}.q_a_proj.weight", config.q_lora_rank, h)
             ones(f"{a}.q_a_layernorm.weight", config.q_lora_rank)
             linear(f"{a}.q_b_proj.weight", n_heads * qk_head, config.q_lora_rank)
-        linear(
-            f"{a}.kv_a_proj_with_mqa.weight", config.kv_lora_rank + config.qk_rope_head_dim, h
-        )
+        linear(f"{a}.kv_a_proj_with_mqa.weight", config.kv_lora_rank + config.qk_rope_head_dim, h)
         ones(f"{a}.kv_a_layernorm.weight", config.kv_lora_rank)
         linear(
             f"{a}.kv_b_proj.weight",
