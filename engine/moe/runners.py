@@ -1,0 +1,185 @@
+"""Expert runners: this rank's routed SwiGLU experts over a `DispatchOutput`.
+
+Weights (local experts only): `w13` [E_local, 2*I, hidden] (gate rows, then up rows), `w2`
+[E_local, hidden, I]; expert e computes `(silu(x @ w13[e,:I].T) * (x @ w13[e,I:].T)) @ w2[e].T`.
+Either may be FP8 with 128x128 block scales (`w13_scale` [E, 2I/128, hidden/128], `w2_scale`
+[E, hidden/128, I/128]), as DeepSeek-V3 checkpoints ship them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.moe.base import DispatchOutput, ExpertRunner
+from engine.moe.fp8 import (
+    FP8_DTYPE,
+    dequantize_per_block,
+    dequantize_per_token,
+    quantize_per_block,
+    quantize_per_token,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _silu_mul(h: torch.Tensor) -> torch.Tensor:
+    i = h.shape[-1] // 2
+    return F.silu(h[..., :i]) * h[..., i:]
+
+
+class TorchExpertRunner(ExpertRunner):
+    """Plain torch matmuls; the reference runner and the CPU path.
+
+    contiguous: one pair of GEMMs per local expert that received rows (experts with none cost
+    nothing). masked: two `bmm`s over [E, cap, hidden], a fixed-shape computation (CUDA-graph
+    friendly); rows past the counts are computed and left as don't-care.
+    FP8 weights are dequantized once here; FP8 activations (FP8 dispatch) with their scales.
+    """
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
+                 w2_scale: torch.Tensor | None = None, compute_dtype: torch.dtype | None = None) -> None:
+        if compute_dtype is None:
+            compute_dtype = torch.bfloat16 if w13.dtype == FP8_DTYPE else w13.dtype
+        self.w13 = self._weight(w13, w13_scale, compute_dtype)
+        self.w2 = self._weight(w2, w2_scale, compute_dtype)
+        self.dtype = compute_dtype
+
+    @staticmethod
+    def _weight(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        if w.dtype == FP8_DTYPE:
+            if scale is None:
+                raise ValueError("FP8 expert weights need their 128x128 block scales")
+            return dequantize_per_block(w, scale).to(dtype)
+        return w.to(dtype)
+
+    def _input(self, d: DispatchOutput) -> torch.Tensor:
+        x = d.hidden_states
+        if x.dtype == FP8_DTYPE:
+            if d.hidden_scales is None:
+                raise ValueError("FP8 dispatch output without hidden_scales")
+            return dequantize_per_token(x, d.hidden_scales).to(self.dtype)
+        return x.to(self.dtype)
+
+    def __call__(self, d: DispatchOutput) -> torch.Tensor:
+        x = self._input(d)
+        if d.layout == "masked":
+            h = torch.bmm(x, self.w13.transpose(1, 2))
+            return torch.bmm(_silu_mul(h), self.w2.transpose(1, 2))
+        out = torch.empty(x.shape[0], self.w2.shape[1], dtype=self.dtype, device=x.device)
+        start = 0
+        for e, n in enumerate(d.tokens_per_expert.tolist()):
+            if n:
+                xe = x[start:start + n]
+                out[start:start + n] = _silu_mul(xe @ self.w13[e].T) @ self.w2[e].T
+            start += n
+        return out
+
+
+def _first_attr(mod: Any, names: tuple[str, ...]) -> tuple[str, Callable[..., Any]]:
+    for name in names:
+        fn = getattr(mod, name, None)
+        if fn is not None:
+            return name, fn
+    raise ImportError(f"deep_gemm has none of {names}")
+
+
+class DeepGemmExpertRunner(ExpertRunner):
+    """DeepGEMM grouped FP8 GEMMs (Hopper/Blackwell): contiguous for normal dispatch, masked for LL.
+
+    Activations are quantized per token in 1x128 blocks (or arrive so from an FP8 dispatch), the
+    weights are FP8 with 128x128 block scales (quantized here if given in BF16). Scales are passed
+    as float32 in the natural layout; DeepGEMM converts them to its TMA-aligned MN-major (SM90) or
+    packed UE8M0 (SM100) layout itself. Outputs are BF16.
+    Both the current names (`m_grouped_fp8_gemm_nt_*`) and the pre-2025-07 ones
+    (`m_grouped_gemm_fp8_fp8_bf16_nt_*`) are supported; which one is used is logged once.
+    """
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
+                 w2_scale: torch.Tensor | None = None) -> None:
+        import deep_gemm  # lazy: GPU-only library
+
+        self.w13 = self._weight(w13, w13_scale)
+        self.w2 = self._weight(w2, w2_scale)
+        name_c, self._gemm_contiguous = _first_attr(
+            deep_gemm, ("m_grouped_fp8_gemm_nt_contiguous", "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous"))
+        name_m, self._gemm_masked = _first_attr(
+            deep_gemm, ("m_grouped_fp8_gemm_nt_masked", "fp8_m_grouped_gemm_nt_masked",
+                        "m_grouped_gemm_fp8_fp8_bf16_nt_masked"))
+        try:
+            _, align_fn = _first_attr(deep_gemm, ("get_mk_alignment_for_contiguous_layout",
+                                                 "get_m_alignment_for_contiguous_layout"))
+            self.alignment = int(align_fn())
+        except ImportError:
+            self.alignment = 128  # the documented legacy value
+        logger.info("deep_gemm runner: %s / %s, M alignment %d", name_c, name_m, self.alignment)
+
+    @staticmethod
+    def _weight(w: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if w.dtype == FP8_DTYPE:
+            if scale is None:
+                raise ValueError("FP8 expert weights need their 128x128 block scales")
+            return w.contiguous(), scale.float().contiguous()
+        return quantize_per_block(w)
+
+    @staticmethod
+    def _fp8_input(d: DispatchOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        if d.hidden_states.dtype == FP8_DTYPE:
+            assert d.hidden_scales is not None, "FP8 dispatch output without hidden_scales"
+            return d.hidden_states, d.hidden_scales
+        return quantize_per_token(d.hidden_states)
+
+    def __call__(self, d: DispatchOutput) -> torch.Tensor:
+        if d.layout == "masked":
+            return self._masked(d)
+        return self._contiguous(d)
+
+    def _masked(self, d: DispatchOutput) -> torch.Tensor:
+        x, xs = self._fp8_input(d)
+        g, m_max, _ = x.shape
+        masked_m = d.tokens_per_expert.to(device=x.device, dtype=torch.int32)
+        expected_m = getattr(d, "expected_m", None) or max(1, m_max // 2)
+        n13, n2 = self.w13[0].shape[1], self.w2[0].shape[1]
+        h = torch.empty(g, m_max, n13, dtype=torch.bfloat16, device=x.device)
+        self._gemm_masked((x, xs), self.w13, h, masked_m, expected_m)
+        a, as_ = quantize_per_token(_silu_mul(h))
+        out = torch.empty(g, m_max, n2, dtype=torch.bfloat16, device=x.device)
+        self._gemm_masked((a, as_), self.w2, out, masked_m, expected_m)
+        return out
+
+    def _contiguous(self, d: DispatchOutput) -> torch.Tensor:
+        x, xs = self._fp8_input(d)
+        counts = d.tokens_per_expert.tolist()
+        m = x.shape[0]
+        n13, n2 = self.w13[0].shape[1], self.w2[0].shape[1]
+        if m == 0:
+            return torch.empty(0, n2, dtype=torch.bfloat16, device=x.device)
+        # DeepGEMM needs every expert's segment to start on an `alignment` boundary; dispatchers
+        # built with expert_alignment=alignment already deliver that, others get padded here.
+        a = self.alignment
+        cnt = torch.tensor(counts, dtype=torch.int64)
+        padded = (cnt + a - 1) // a * a
+        expert_of_row = torch.repeat_interleave(torch.arange(len(counts)), cnt)
+        row_in_expert = torch.arange(m) - (torch.cumsum(cnt, 0) - cnt)[expert_of_row]
+        dest = (torch.cumsum(padded, 0) - padded)[expert_of_row] + row_in_expert
+        m_pad = int(padded.sum())
+        layout = torch.full((m_pad,), -1, dtype=torch.int32)  # -1: padding row, DeepGEMM skips it
+        layout[dest] = expert_of_row.int()
+        layout = layout.to(x.device)
+        index = None if m_pad == m else dest.to(x.device)
+        if index is not None:
+            xp = torch.zeros(m_pad, x.shape[1], dtype=torch.uint8, device=x.device)
+            xp[index] = x.view(torch.uint8)
+            sp = torch.zeros(m_pad, xs.shape[1], dtype=xs.dtype, device=x.device)
+            sp[index] = xs
+            x, xs = xp.view(FP8_DTYPE), sp
+        h = torch.empty(x.shape[0], n13, dtype=torch.bfloat16, device=x.device)
+        self._gemm_contiguous((x, xs), self.w13, h, layout)
+        act, act_s = quantize_per_token(_silu_mul(h))
+        out = torch.empty(x.shape[0], n2, dtype=torch.bfloat16, device=x.device)
+        self._gemm_contiguous((act, act_s), self.w2, out, layout)
+        return out if index is None else out.index_select(0, index)
