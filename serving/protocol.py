@@ -1,0 +1,211 @@
+"""OpenAI request schemas (what we accept) and the OpenAI error body.
+
+Requests are parsed strictly: a wrong JSON type is a 400, never silently coerced ("5" is not 5),
+and a field OpenAI defines but we do not implement (`tools`, `logit_bias`, `echo: true`, ...) is a
+400 naming it rather than an ignored knob that makes outputs differ from what the client asked.
+A few non-OpenAI extras that vLLM and SGLang also accept (`top_k`, `min_p`, `ignore_eos`,
+`stop_token_ids`) go through `extra_body` of the official client.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class APIError(Exception):
+    """An error the ingress answers with OpenAI's body `{"error": {message, type, param, code}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def validation_to_api_error(e: ValidationError) -> APIError:
+    """One 400 listing every problem; `param` is the first offending field's dotted path."""
+    errors = e.errors(include_url=False)
+    if any(err["type"] == "json_invalid" for err in errors):
+        return bad_request("request body is not valid JSON", code="invalid_json")
+    unsupported = [
+        ".".join(map(str, err["loc"])) for err in errors if err["type"] == "extra_forbidden"
+    ]
+    parts = []
+    if unsupported:
+        parts.append("unsupported field(s): " + ", ".join(unsupported))
+    for err in errors:
+        if err["type"] == "extra_forbidden":
+            continue
+        loc = ".".join(str(p) for p in err["loc"]) or "body"
+        parts.append(f"{loc}: {err['msg']}")
+    first = errors[0]["loc"] if errors else ()
+    param = ".".join(str(p) for p in first) or None
+    code = (
+        "unsupported_parameter"
+        if unsupported and len(unsupported) == len(errors)
+        else "invalid_value"
+    )
+    return bad_request("; ".join(parts), param=param, code=code)
+
+
+class _Request(BaseModel):
+    # strict: JSON types must match; extra=forbid: unknown/unsupported fields are reported.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    user: str | None = None
+    # Accepted only at their neutral value, so clients that always send them keep working.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # Extras (not in OpenAI's schema), as in vLLM / SGLang.
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v: float | None) -> float | None:
+        if v not in (None, 0, 0.0):
+            raise ValueError("penalties are not supported (only 0)")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return stops or None
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> _Request:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    include_usage: bool = False
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    # OpenAI: top-n alternatives per token (0..5); we return the chosen token's logprob only.
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo=true is not supported")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, v: Any) -> str | list[int]:
+        # One prompt per request (n=1 and no batching in one call): unwrap a one-element batch.
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("only one prompt per request is supported")
+            v = v[0]
+        if len(v) == 0:
+            raise ValueError("prompt must not be empty")
+        return v
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=0)  # only the chosen token (0) for now
+
+    @model_validator(mode="after")
+    def _top_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+
+
+CompletionRequest.model_rebuild()
+ChatCompletionRequest.model_rebuild()

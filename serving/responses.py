@@ -1,0 +1,159 @@
+"""OpenAI response bodies and SSE chunks built from engine `RequestOutput`s."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Kind = Literal["completion", "chat"]
+
+
+@dataclass
+class ResponseBuilder:
+    """Everything one response needs; keeps the logprob cursor across stream chunks."""
+
+    kind: Kind
+    request_id: str
+    model: str
+    prompt_tokens: int
+    logprobs: bool
+    tokenizer: Any
+    created: int = field(default_factory=lambda: int(time.time()))
+    _sent_tokens: int = 0  # tokens already described in streamed logprobs
+    _text_offset: int = 0
+
+    # ---- pieces -----------------------------------------------------------------------------------
+    def usage(self, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        }
+
+    def _logprobs(
+        self, token_ids: list[int], logprobs: list[float] | None
+    ) -> dict[str, Any] | None:
+        """OpenAI logprobs for `token_ids` (we report the chosen token's logprob only)."""
+        if not self.logprobs:
+            return None
+        lps = list(logprobs or [])[: len(token_ids)]
+        toks = [self.tokenizer.decode([t]) for t in token_ids[: len(lps)]]
+        if self.kind == "chat":
+            return {
+                "content": [
+                    {
+                        "token": t,
+                        "logprob": lp,
+                        "bytes": list(t.encode("utf-8")),
+                        "top_logprobs": [],
+                    }
+                    for t, lp in zip(toks, lps, strict=True)
+                ]
+            }
+        offsets = []
+        for t in toks:
+            offsets.append(self._text_offset)
+            self._text_offset += len(t)
+        return {
+            "tokens": toks,
+            "token_logprobs": lps,
+            "top_logprobs": [{t: lp} for t, lp in zip(toks, lps, strict=True)],
+            "text_offset": offsets,
+        }
+
+    # ---- full (non-streaming) response -------------------------------------------------------------
+    def full(self, out: Any) -> dict[str, Any]:
+        lp = self._logprobs(list(out.token_ids), out.logprobs)
+        cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
+        if self.kind == "chat":
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": lp,
+                "finish_reason": out.finish_reason,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {
+                "index": 0,
+                "text": out.text,
+                "logprobs": lp,
+                "finish_reason": out.finish_reason,
+            }
+            obj = "text_completion"
+        return {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(len(out.token_ids), cached),
+        }
+
+    # ---- streaming ------------------------------------------------------------------------------
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        body = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return sse(body)
+
+    def first_chunk(self) -> str | None:
+        """Chat streams open with the assistant role, as OpenAI's do."""
+        if self.kind != "chat":
+            return None
+        return self._chunk(
+            [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
+
+    def delta_chunk(self, out: Any) -> str | None:
+        """A chunk for the tokens/text new in `out`, or None when there is nothing to send."""
+        new_ids = list(out.token_ids[self._sent_tokens :])
+        lps = None
+        if self.logprobs and out.logprobs is not None and new_ids:
+            lps = self._logprobs(new_ids, list(out.logprobs[self._sent_tokens :]))
+        self._sent_tokens = len(out.token_ids)
+        if not out.delta_text and not out.finished and lps is None:
+            return None
+        if self.kind == "chat":
+            delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": lps,
+                "finish_reason": out.finish_reason if out.finished else None,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": out.delta_text,
+                "logprobs": lps,
+                "finish_reason": out.finish_reason if out.finished else None,
+            }
+        return self._chunk([choice])
+
+    def usage_chunk(self, out: Any) -> str:
+        cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
+        return self._chunk([], usage=self.usage(len(out.token_ids), cached))
+
+
+def sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
