@@ -166,7 +166,6 @@ class OfflineEPGroup:
         `placement[i]` is the rank request i runs on (default: round-robin). Raises `ValueError`
         for invalid requests before any runs, `EPGroupError` when the group fails meanwhile.
         """
-        import ray
 
         self._check_alive()
         if placement is None:
@@ -227,7 +226,9 @@ class OfflineEPGroup:
         from ray.exceptions import RayError
 
         refs = {a.check_health.remote(): r for r, a in enumerate(self._actors)}
-        ready, not_ready = ray.wait(list(refs), num_returns=len(refs), timeout=self._health_timeout_s)
+        ready, not_ready = ray.wait(
+            list(refs), num_returns=len(refs), timeout=self._health_timeout_s
+        )
         for ref in ready:
             try:
                 ray.get(ref)
@@ -235,7 +236,9 @@ class OfflineEPGroup:
                 self._fail(f"rank {refs[ref]} is unhealthy: {e}")
         if not_ready:
             ranks = sorted(refs[r] for r in not_ready)
-            self._fail(f"ranks {ranks} did not answer a health check within {self._health_timeout_s} s")
+            self._fail(
+                f"ranks {ranks} did not answer a health check within {self._health_timeout_s} s"
+            )
 
     def _fail(self, reason: str) -> None:
         self._failure = f"EP group {self.group_id} failed: {reason}"

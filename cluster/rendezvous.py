@@ -144,7 +144,11 @@ def init_ep_process_groups(
     backend = "nccl" if device == "cuda" else "gloo"
     timeout = timedelta(seconds=collective_timeout_s)
     logger.info(
-        "EP group %s: rank %d/%d joining %s via %s", group_id, rank, world_size, backend,
+        "EP group %s: rank %d/%d joining %s via %s",
+        group_id,
+        rank,
+        world_size,
+        backend,
         master.init_method,
     )
     # Rank 0 waits here for all peers, so this is bounded by the same timeout as collectives.

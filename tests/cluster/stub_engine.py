@@ -72,7 +72,9 @@ class StubEngine:
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        req = _Req(request_id, list(prompt_token_ids), params, asyncio.get_running_loop(), asyncio.Queue())
+        req = _Req(
+            request_id, list(prompt_token_ids), params, asyncio.get_running_loop(), asyncio.Queue()
+        )
         with self._lock:
             if self._error is not None:
                 req.queue.put_nowait(self._failed(req))
@@ -141,13 +143,23 @@ class StubEngine:
 
     def _failed(self, req: _Req) -> RequestOutput:
         return RequestOutput(
-            req.rid, req.prompt, list(req.tokens), "", finished=True, finish_reason="abort",
+            req.rid,
+            req.prompt,
+            list(req.tokens),
+            "",
+            finished=True,
+            finish_reason="abort",
             error=f"engine failed: {self._error!r}",
         )
 
     def _emit(self, req: _Req, *, finished: bool, reason: str | None) -> None:
         out = RequestOutput(
-            req.rid, req.prompt, list(req.tokens), "", delta_token_ids=req.tokens[-1:],
-            finished=finished, finish_reason=reason,  # type: ignore[arg-type]
+            req.rid,
+            req.prompt,
+            list(req.tokens),
+            "",
+            delta_token_ids=req.tokens[-1:],
+            finished=finished,
+            finish_reason=reason,  # type: ignore[arg-type]
         )
         req.loop.call_soon_threadsafe(req.queue.put_nowait, out)

@@ -12,7 +12,11 @@ class _Member:
         from cluster.rendezvous import init_ep_process_groups
 
         self.ctx = init_ep_process_groups(
-            rank, world_size, group_id, device="cpu", rendezvous_timeout_s=rendezvous_timeout_s,
+            rank,
+            world_size,
+            group_id,
+            device="cpu",
+            rendezvous_timeout_s=rendezvous_timeout_s,
             collective_timeout_s=30,
         )
 
@@ -42,7 +46,9 @@ def test_rendezvous_forms_working_gloo_groups_in_placement_group(local_ray, worl
     members = [
         cls.options(
             num_cpus=1,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=r
+            ),
         ).remote(r, world_size, group_id, 30)
         for r in range(world_size)
     ]
