@@ -318,3 +318,37 @@ def test_missing_path_is_rejected(tmp_path):
         load_model_config(tmp_path / "nope")
     with pytest.raises(ValueError, match=r"^model:"):
         resolve_model_path(str(tmp_path / "nope"))
+
+
+def test_random_checkpoint_helper_honours_overrides_and_streams_hf_names(tmp_path):
+    from tests.helpers import make_random_dsv3_checkpoint
+
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 256,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    }
+    path = make_random_dsv3_checkpoint(
+        tmp_path / "ckpt",
+        q_lora_rank=None,
+        rope_parameters=yarn,
+        n_group=1,
+        topk_group=1,
+        num_hidden_layers=2,
+        first_k_dense_replace=0,
+    )
+    cfg = load_model_config(path)
+    assert cfg.q_lora_rank is None and cfg.rope_parameters["rope_type"] == "yarn"
+    assert (cfg.n_group, cfg.num_hidden_layers, cfg.first_k_dense_replace) == (1, 2, 0)
+    got = _load(path, num_hidden_layers=cfg.num_hidden_layers)
+    assert "model.layers.0.self_attn.q_proj.weight" in got
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in got
+    assert got["model.embed_tokens.weight"].shape[0] == cfg.vocab_size
+    bias = got["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and bias.abs().min() > 0
+    assert (path / "tokenizer.json").is_file()
