@@ -214,8 +214,8 @@ def iter_checkpoint_tensors(
                     raise ValueError(
                         f"model: {path}: fp8 tensor {item.name} has no {_SCALE_SUFFIX}"
                     )
-                out = tensor if item.name.endswith(_FP32_SUFFIXES) else tensor.to(dtype)
-                yield item.name, out
+                keep32 = item.name.endswith(_FP32_SUFFIXES)
+                yield item.name, tensor.to(torch.float32 if keep32 else dtype)
             else:
                 assert item.scale_file is not None
                 scale = handle(item.scale_file).get_tensor(item.scale_name)
