@@ -1,0 +1,316 @@
+"""One rank's engine: a loop thread that schedules, launches forwards and processes results.
+
+The two loops below are the policy; everything they call is mechanics.
+
+    normal:  receive -> schedule N -> run N -> process N
+    overlap: receive -> schedule N+1 -> launch N+1 -> process N (while N+1 runs)
+
+With expert parallelism every step is also agreed with the other ranks of the group (a tiny
+header all-gathered on the control group): if any rank has work, all run a forward, those without
+work an idle batch of zero tokens, because every MoE layer is a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine import envs
+from engine.config import EngineConfig
+from engine.executor import HostOutput, InlineExecutor, ThreadExecutor
+from engine.forward_batch import ForwardMode
+from engine.lockstep import Lockstep
+from engine.mem.pool import MLATokenPool
+from engine.model_runner import ModelRunner
+from engine.models.loader import load_model_config, resolve_model_path
+from engine.outputs import RequestOutput
+from engine.parallel import SINGLE_RANK, ParallelContext
+from engine.request import Req
+from engine.sampling_params import SamplingParams
+from engine.sched.batch import ScheduledBatch, idle_batch
+from engine.sched.scheduler import Scheduler
+from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineLoad:
+    num_running: int
+    num_waiting: int
+    running_tokens: int
+    waiting_tokens: int
+    kv_usage: float
+
+
+@dataclass
+class EngineStats:
+    steps: int
+    prefill_steps: int
+    decode_steps: int
+    idle_steps: int
+    forward_time_s: float
+    schedule_time_s: float
+    bubble_time_s: float
+    generated_tokens: int
+    prefill_tokens: int
+    cached_tokens: int
+    retractions: int
+    overlap: bool
+    tbo_steps: int
+    sbo: bool
+    last_batch_size: int
+    last_step_tokens: int
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of the executor's busy span lost to gaps between consecutive forwards."""
+        span = self.forward_time_s + self.bubble_time_s
+        return self.bubble_time_s / span if span else 0.0
+
+
+@dataclass
+class _Add:
+    req: Req
+
+
+@dataclass
+class _Abort:
+    rid: str
+
+
+def _kv_pages(config: EngineConfig, hf, max_model_len: int, device: str, dtype: torch.dtype) -> int:
+    P = config.page_size
+    if config.kv_cache_tokens is not None:
+        tokens = config.kv_cache_tokens
+    else:
+        per_token = MLATokenPool.bytes_per_token(hf.num_hidden_layers, hf.kv_lora_rank, hf.qk_rope_head_dim, dtype)
+        if config.kv_cache_memory_bytes is not None:
+            budget = config.kv_cache_memory_bytes
+        elif device == "cuda":
+            free, _ = torch.cuda.mem_get_info()
+            budget = int(free * 0.85)
+        else:
+            budget = 512 << 20
+        tokens = min(budget // per_token, config.max_running_requests * max_model_len)
+    return math.ceil(tokens / P) + 1  # + the reserved padding page
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, parallel: ParallelContext = SINGLE_RANK) -> None:
+        self.config = config
+        self.parallel = parallel
+        path = resolve_model_path(config.model)
+        hf = load_model_config(path)
+        self.hf_config = hf
+        self.tokenizer = load_tokenizer(config.tokenizer or path)
+        self.vocab_size = hf.vocab_size
+        self.max_model_len = min(config.max_model_len or hf.max_position_embeddings, hf.max_position_embeddings)
+        self.eos_ids = {hf.eos_token_id} if isinstance(hf.eos_token_id, int) else set(hf.eos_token_id or ())
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+        num_pages = _kv_pages(config, hf, self.max_model_len, config.resolved_device, dtype)
+        self.scheduler = Scheduler(config, num_pages, self.max_model_len, self.vocab_size)
+        self.kv_capacity_tokens = self.scheduler.allocator.capacity * config.page_size
+        self.runner = ModelRunner(config, hf, path, parallel, self.max_model_len, num_pages,
+                                  self.scheduler.futures.capacity)
+        self.model = self.runner.model
+        self.overlap = config.enable_overlap_schedule and not envs.disable_overlap_schedule()
+        self._idle_time = 0.0  # time the loop spent blocked with nothing to do
+        if self.overlap:
+            self.executor = ThreadExecutor(self.runner.forward, self.runner.device, lambda: self._idle_time)
+        else:
+            self.executor = InlineExecutor(self.runner.forward, lambda: self._idle_time)
+        self.lockstep = Lockstep(parallel, config)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.last_progress = time.monotonic()
+        self._counters = dict(steps=0, prefill_steps=0, decode_steps=0, idle_steps=0, schedule_time=0.0,
+                              generated=0, prefill_tokens=0, cached=0, last_bs=0,
+                              last_tokens=0, tbo_steps=0)
+        self._thread = threading.Thread(target=self._run, name=f"engine-loop-r{parallel.rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ API (any thread)
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt: must not be empty")
+        bad = [t for t in prompt_token_ids if not (0 <= int(t) < self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt: {n} tokens, the model's context is {self.max_model_len}")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"model's context of {self.max_model_len} tokens")
+        if n + params.max_tokens > self.kv_capacity_tokens:
+            raise ValueError(f"prompt: {n} + max_tokens {params.max_tokens} tokens exceed the KV pool "
+                             f"({self.kv_capacity_tokens} tokens)")
+        if params.stop_token_ids and any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise ValueError("stop_token_ids: ids outside the vocabulary")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    on_output: Callable[[RequestOutput], None], request_id: str | None = None) -> str:
+        """Validate and queue a request; `on_output` is called from the loop thread per update."""
+        if self.error is not None or self._stop.is_set():
+            raise RuntimeError(f"engine is not running: {self.error!r}")
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        self.validate(prompt_token_ids, params)
+        rid = request_id or uuid.uuid4().hex
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+        self._inbox.put(_Add(Req(rid, prompt_token_ids, params, on_output, detok, self.eos_ids)))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(**self.scheduler.load())
+
+    def stats(self) -> EngineStats:
+        c, s = self._counters, self.executor.stats
+        return EngineStats(
+            steps=c["steps"], prefill_steps=c["prefill_steps"], decode_steps=c["decode_steps"],
+            idle_steps=c["idle_steps"], forward_time_s=s.forward_time, schedule_time_s=c["schedule_time"],
+            bubble_time_s=s.bubble_time, generated_tokens=c["generated"],
+            prefill_tokens=c["prefill_tokens"], cached_tokens=c["cached"],
+            retractions=self.scheduler.num_retractions, overlap=self.overlap, tbo_steps=c["tbo_steps"],
+            sbo=self.config.enable_single_batch_overlap, last_batch_size=c["last_bs"],
+            last_step_tokens=c["last_tokens"])
+
+    def check_health(self, stall_timeout: float = 60.0) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"engine loop died: {self.error!r}")
+        if not self._thread.is_alive():
+            raise RuntimeError("engine loop is not running")
+        if self.scheduler.has_work and time.monotonic() - self.last_progress > stall_timeout:
+            raise RuntimeError(f"engine made no progress for {stall_timeout:.0f}s with work pending")
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+        self.executor.shutdown()
+
+    # ------------------------------------------------------------------ loops (loop thread)
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        try:
+            self._overlap_loop() if self.overlap else self._normal_loop()
+        except BaseException as e:  # the loop is gone: fail everything, health checks report it
+            logger.exception("engine loop died")
+            self.error = e
+            for req in self.scheduler.fail_all(f"engine failed: {e!r}"):
+                req.on_output(req.make_output([]))
+
+    def _normal_loop(self) -> None:
+        while not self._stop.is_set():
+            self._receive(block=not self.scheduler.has_work)
+            step = self._schedule()
+            if step is not None:
+                self._finish(step, self._launch(step))
+
+    def _overlap_loop(self) -> None:
+        last = None
+        while not self._stop.is_set():
+            self._receive(block=not self.scheduler.has_work and last is None)
+            step = self._schedule()
+            pending = self._launch(step) if step is not None else None
+            if last is not None:
+                self._finish(*last)
+            last = (step, pending) if step is not None else None
+
+    # ------------------------------------------------------------------ mechanics
+    def _receive(self, block: bool) -> None:
+        if block and not self.lockstep.active:
+            t0 = time.perf_counter()
+            msg = self._inbox.get()
+            self._idle_time += time.perf_counter() - t0
+            self._handle(msg)
+        elif block:  # other ranks may have work: poll briefly, then take part in the next step
+            t0 = time.perf_counter()
+            try:
+                self._handle(self._inbox.get(timeout=0.002))
+            except queue.Empty:
+                pass
+            self._idle_time += time.perf_counter() - t0
+        while True:
+            try:
+                self._handle(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, _Add):
+            self.scheduler.add(msg.req)
+        elif isinstance(msg, _Abort):
+            req = self.scheduler.abort(msg.rid)
+            if req is not None:
+                req.on_output(req.make_output([]))
+
+    def _schedule(self):
+        """Schedule this rank's next step and agree on it with the group; None when no rank has work."""
+        t0 = time.perf_counter()
+        step = self.scheduler.schedule()
+        fb = step.forward if step is not None else None
+        headers = self.lockstep.agree(fb)
+        self._counters["schedule_time"] += time.perf_counter() - t0
+        if headers is None:
+            return None
+        if step is None:
+            fb = idle_batch()
+            step = ScheduledBatch(ForwardMode.IDLE, [], [], [], [], [], [], fb)
+        fb.global_num_tokens = [h.num_tokens for h in headers]
+        fb.can_run_tbo = self.lockstep.can_run_tbo(headers)
+        return step
+
+    def _launch(self, step: ScheduledBatch):
+        c = self._counters
+        c["steps"] += 1
+        c["last_bs"] = len(step.reqs)
+        c["last_tokens"] = step.forward.num_tokens
+        if step.mode == ForwardMode.EXTEND:
+            c["prefill_steps"] += 1
+            c["prefill_tokens"] += step.forward.num_tokens
+        elif step.mode == ForwardMode.DECODE:
+            c["decode_steps"] += 1
+        else:
+            c["idle_steps"] += 1
+        return self.executor.launch(step.forward)
+
+    def _finish(self, step: ScheduledBatch, pending) -> None:
+        try:
+            out = pending.result()
+        except Exception as e:
+            if self.parallel.is_distributed:
+                raise  # the group's collectives are in an unknown state: the loop must die
+            # one rank alone: fail the step's requests, keep serving the others
+            logger.exception("forward failed; failing its %d requests", len(step.reqs))
+            for req in step.reqs:
+                if not req.finished:
+                    req.finish("abort", error=f"internal error: {e!r}")
+                    self.scheduler.abort_failed(req)
+                    req.on_output(req.make_output([]))
+            return
+        self._process(step, out)
+
+    def _process(self, step: ScheduledBatch, out: HostOutput) -> None:
+        self.last_progress = time.monotonic()
+        if step.mode == ForwardMode.IDLE:
+            return
+        for req, output in self.scheduler.process(step, out.next_ids, out.logprobs, out.prompt_logprobs):
+            self._counters["generated"] += 1
+            if output.finished:
+                self._counters["cached"] += req.metrics.num_cached_tokens
+            req.on_output(output)

@@ -1,0 +1,149 @@
+"""Forward executors: where a launched step runs while the scheduler goes on.
+
+`InlineExecutor` runs the step at launch (the normal loop). `ThreadExecutor` plays the role of a
+CUDA stream for the overlap loop: launched steps run in launch order on one worker thread, so
+Python scheduling and tensor work proceed at once on two cores. On CUDA the worker also runs the
+forward on its own stream and copies results to pinned host memory on a copy stream; `result()`
+waits only for that copy's event.
+
+Both record per-step timing: forward time, and the worker's idle gap between consecutive steps
+while the engine had work (the "bubble" the overlap loop exists to remove).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+from engine.model_runner import ForwardOutput
+
+
+@dataclass
+class HostOutput:
+    next_ids: list[int] | None
+    logprobs: list[float] | None
+    prompt_logprobs: list[float] | None
+
+
+@dataclass
+class ExecutorStats:
+    steps: int = 0
+    forward_time: float = 0.0
+    bubble_time: float = 0.0  # worker idle between steps while work was pending
+    _last_end: float | None = None
+
+    def record(self, start: float, end: float, engine_idle_since_last: float) -> None:
+        if self._last_end is not None:
+            self.bubble_time += max(0.0, start - self._last_end - engine_idle_since_last)
+        self._last_end = end
+        self.steps += 1
+        self.forward_time += end - start
+
+
+class _CudaCopier:
+    """Forward stream + copy stream + events for one worker (CUDA only)."""
+
+    def __init__(self, device) -> None:
+        self.forward_stream = torch.cuda.Stream(device)
+        self.copy_stream = torch.cuda.Stream(device)
+
+    def run(self, fn: Callable[[], ForwardOutput]) -> HostOutput:
+        with torch.cuda.stream(self.forward_stream):
+            out = fn()
+        done = torch.cuda.Event()
+        self.copy_stream.wait_stream(self.forward_stream)
+        with torch.cuda.stream(self.copy_stream):
+            host = []
+            for t in (out.next_ids, out.logprobs, out.prompt_logprobs):
+                if t is not None:
+                    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    h.copy_(t, non_blocking=True)
+                    t.record_stream(self.copy_stream)
+                    t = h
+                host.append(t)
+            done.record(self.copy_stream)
+        done.synchronize()  # only this worker waits; the scheduler thread runs on
+        return HostOutput(*[h.tolist() if h is not None else None for h in host])
+
+
+def _to_host(out: ForwardOutput) -> HostOutput:
+    return HostOutput(*[t.tolist() if t is not None else None for t in (out.next_ids, out.logprobs, out.prompt_logprobs)])
+
+
+class InlineExecutor:
+    """Runs each step synchronously at launch (the normal loop)."""
+
+    def __init__(self, forward: Callable[[ForwardBatch], ForwardOutput], idle_clock: Callable[[], float]) -> None:
+        self._forward = forward
+        self._idle_clock = idle_clock
+        self.stats = ExecutorStats()
+        self._idle_mark = 0.0
+
+    def launch(self, fb: ForwardBatch) -> Future:
+        fut: Future = Future()
+        start = time.perf_counter()
+        try:
+            out = _to_host(self._forward(fb))
+        except BaseException as e:  # surfaced to the loop through the future
+            fut.set_exception(e)
+            return fut
+        idle = self._idle_clock()
+        self.stats.record(start, time.perf_counter(), idle - self._idle_mark)
+        self._idle_mark = idle
+        fut.set_result(out)
+        return fut
+
+    def shutdown(self) -> None:
+        pass
+
+
+class ThreadExecutor:
+    """Runs launched steps in order on a worker thread (own CUDA stream when on GPU)."""
+
+    def __init__(self, forward: Callable[[ForwardBatch], ForwardOutput], device: torch.device,
+                 idle_clock: Callable[[], float]) -> None:
+        self._forward = forward
+        self._idle_clock = idle_clock
+        self._idle_mark = 0.0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.stats = ExecutorStats()
+        self._cuda = _CudaCopier(device) if device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._work, name="forward-executor", daemon=True)
+        self._thread.start()
+
+    def launch(self, fb: ForwardBatch) -> Future:
+        fut: Future = Future()
+        self._queue.put((fb, fut))
+        return fut
+
+    def _work(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fb, fut = item
+            start = time.perf_counter()
+            try:
+                if self._cuda is not None:
+                    out = self._cuda.run(lambda: self._forward(fb))
+                else:
+                    out = _to_host(self._forward(fb))
+            except BaseException as e:
+                fut.set_exception(e)
+                continue
+            idle = self._idle_clock()
+            self.stats.record(start, time.perf_counter(), idle - self._idle_mark)
+            self._idle_mark = idle
+            fut.set_result(out)
+
+    def shutdown(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)

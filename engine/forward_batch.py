@@ -1,0 +1,127 @@
+"""What one forward consumes: the typed boundary between the scheduler and the model.
+
+The scheduler builds a `ForwardBatch` on the host (all index tensors precomputed there, so the
+forward never reads scheduler state that may change while it runs under the overlap loop); the
+executor moves it to the device and runs the model inside `forward_context(batch)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from enum import IntEnum
+
+import torch
+
+
+class ForwardMode(IntEnum):
+    EXTEND = 1  # prefill (possibly a chunk, possibly after a cached prefix)
+    DECODE = 2  # one new token per request
+    IDLE = 3  # zero tokens: this rank has no work but joins its group's collectives
+
+
+@dataclass
+class AttentionMetadata:
+    """Padded per-request index tensors shared by every layer of one forward.
+
+    kv_indices [B, S]: KV-pool slots of each request's tokens 0..seq_len-1 (padding -> slot 0).
+    kv_mask    [B, S]: True where a slot is a real token of the request.
+    For EXTEND also:
+    q_index    [B, E]: index into the batch's T tokens of each request's new tokens (padding -> 0).
+    q_valid    [B, E]: True for real new tokens.
+    attn_mask  [B, 1, E, S]: causal mask (key position <= query position, key real); padded
+               query rows allow key 0 so softmax stays finite (their outputs are dropped).
+    """
+
+    kv_indices: torch.Tensor
+    kv_mask: torch.Tensor
+    q_index: torch.Tensor | None = None
+    q_valid: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
+
+
+@dataclass
+class SamplingInfo:
+    """Batched sampling parameters for the B rows that get logits (one per request)."""
+
+    temperatures: torch.Tensor  # [B] float32, 0 = greedy
+    top_ps: torch.Tensor  # [B]
+    top_ks: torch.Tensor  # [B] int64, vocab size when disabled
+    min_ps: torch.Tensor  # [B]
+    seeds: list[int | None]  # per-request seed (None: engine generator)
+    output_index: list[int]  # index of the token being sampled in the request's output
+    all_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    return_logprobs: bool
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64; negative entries are FutureMap placeholders
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64 KV slots this forward writes
+    batch_size: int  # requests
+    attn: AttentionMetadata | None
+    # rows of the hidden states whose logits are sampled (last token of each request whose
+    # prompt is complete); requests whose chunk is not final sample nothing (sample_mask False).
+    sample_index: torch.Tensor  # [B] int64 into T
+    sample_mask: list[bool]
+    sampling: SamplingInfo | None
+    # future slots that receive this batch's sampled tokens (one per request), see FutureMap
+    future_slots: torch.Tensor  # [B] int64
+    # token ranges (start, end) in T of requests that want prompt logprobs, with the request's
+    # row index; logprobs of token i+1 under position i are returned for each range.
+    prompt_logprob_ranges: list[tuple[int, int, int]] = field(default_factory=list)
+    prompt_logprob_targets: torch.Tensor | None = None  # next prompt token of each range position
+    # lockstep: token count of every rank in the group this step (EP); [T] for one rank
+    global_num_tokens: list[int] = field(default_factory=list)
+    can_run_tbo: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        """Copy of this batch with every tensor on `device` (non-blocking from pinned host memory)."""
+        if str(device) == "cpu":
+            return self
+        moved = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                v = v.to(device, non_blocking=True)
+            elif isinstance(v, (AttentionMetadata, SamplingInfo)):
+                v = type(v)(**{
+                    g.name: (getattr(v, g.name).to(device, non_blocking=True)
+                             if isinstance(getattr(v, g.name), torch.Tensor) else getattr(v, g.name))
+                    for g in fields(v)
+                })
+            moved[f.name] = v
+        return ForwardBatch(**moved)
+
+
+_ctx = threading.local()
+
+
+@contextlib.contextmanager
+def forward_context(batch: ForwardBatch) -> Iterator[ForwardBatch]:
+    """Scope the batch being run so deep layers (MoE dispatch mode, TBO) can see it. No nesting."""
+    if getattr(_ctx, "batch", None) is not None:
+        raise RuntimeError("forward_context is already active in this thread")
+    _ctx.batch = batch
+    try:
+        yield batch
+    finally:
+        _ctx.batch = None
+
+
+def get_forward_context() -> ForwardBatch:
+    batch = getattr(_ctx, "batch", None)
+    if batch is None:
+        raise RuntimeError("no forward_context is active")
+    return batch

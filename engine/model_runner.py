@@ -1,0 +1,102 @@
+"""Owns the device side of a rank: model weights, KV pool, FutureMap, sampling.
+
+`forward` runs on the forward executor (a worker thread with its own CUDA stream, or inline) and
+is the only code that touches device tensors after start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.forward_batch import ForwardBatch, ForwardMode, forward_context
+from engine.mem.pool import MLATokenPool
+from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.models.loader import iter_checkpoint_tensors
+from engine.moe.factory import make_dispatcher, make_expert_runner
+from engine.parallel import ParallelContext
+from engine.sampler import sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardOutput:
+    """Device results of one step; `to_host` is called where the step's results are processed."""
+
+    next_ids: torch.Tensor | None
+    logprobs: torch.Tensor | None
+    prompt_logprobs: torch.Tensor | None
+    forward_time: float = 0.0
+
+
+class FutureMap:
+    """Device ring buffer of sampled token ids; negative input ids are slots to read from it."""
+
+    def __init__(self, capacity: int, device) -> None:
+        self.buf = torch.zeros(capacity, dtype=torch.int64, device=device)
+
+    def resolve(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.where(ids < 0, self.buf[(-ids).clamp(min=0)], ids)
+
+    def store(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
+        self.buf[slots] = ids
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config, model_path, parallel: ParallelContext,
+                 max_model_len: int, num_pages: int, future_capacity: int) -> None:
+        self.config = config
+        self.parallel = parallel
+        self.device = torch.device(config.resolved_device)
+        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+        t0 = time.time()
+        with torch.device("cpu"):
+            model = DeepseekV3ForCausalLM(hf_config, max_positions=max_model_len + 1,
+                                          rank=parallel.rank, world_size=parallel.world_size)
+        model.load_weights(iter_checkpoint_tensors(model_path, dtype=torch.float32,
+                                                   num_hidden_layers=hf_config.num_hidden_layers,
+                                                   want=model.wants))
+        for p in model.parameters():  # buffers (rope tables, gate bias) stay float32
+            p.data = p.data.to(self.dtype)
+        self.model = model.to(self.device).eval()
+        logger.info("rank %d loaded %s in %.1fs (experts %s)", parallel.rank, model_path,
+                    time.time() - t0, model.expert_range)
+        a2a = config.resolved_a2a_backend
+        runner_backend = config.moe_runner_backend
+        if runner_backend == "auto":
+            runner_backend = "torch"
+        for moe in self.model.moe_layers:
+            moe.dispatcher = make_dispatcher(
+                a2a, num_experts=hf_config.n_routed_experts, hidden_size=hf_config.hidden_size,
+                ep_group=parallel.ep_group, rank=parallel.rank, world_size=parallel.world_size,
+                deepep_mode=config.deepep_mode, params_dtype=self.dtype)
+            moe.runner = make_expert_runner(runner_backend, moe.experts.w13, moe.experts.w2)
+        self.pool = MLATokenPool(hf_config.num_hidden_layers, num_pages, config.page_size,
+                                 hf_config.kv_lora_rank, hf_config.qk_rope_head_dim, self.dtype, self.device)
+        self.futures = FutureMap(future_capacity, self.device)
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(config.seed)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> ForwardOutput:
+        t0 = time.perf_counter()
+        fb = fb.to(self.device)
+        fb.input_ids = self.futures.resolve(fb.input_ids)
+        with forward_context(fb):
+            hidden = self.model.hidden_states(fb, self.pool)
+        if fb.forward_mode == ForwardMode.IDLE or fb.batch_size == 0:
+            return ForwardOutput(None, None, None, time.perf_counter() - t0)
+        logits = self.model.logits(hidden[fb.sample_index])
+        next_ids, logprobs = sample(logits, fb.sampling, self.generator)
+        self.futures.store(fb.future_slots, next_ids)
+        plp = None
+        if fb.prompt_logprob_ranges:
+            idx = torch.cat([torch.arange(s, e) for s, e, _ in fb.prompt_logprob_ranges]).to(self.device)
+            lp = torch.log_softmax(self.model.logits(hidden[idx]), dim=-1)
+            plp = lp.gather(1, fb.prompt_logprob_targets[:, None]).squeeze(1)
+        return ForwardOutput(next_ids, logprobs, plp, time.perf_counter() - t0)

@@ -1,0 +1,324 @@
+"""DeepSeek-V3 for serving: MLA over a paged latent cache, DeepSeek MoE with pluggable all-to-all.
+
+Numerically this is HF transformers' `DeepseekV3ForCausalLM` (the test oracle); structurally it
+is a serving model: it consumes a flat `ForwardBatch` of T tokens from many requests, writes each
+new token's compressed KV (`kv_lora_rank` latent + `qk_rope_head_dim` rope key) into the pool,
+and computes attention
+  - DECODE in the absorbed form: the query is projected into the latent space through kv_b_proj's
+    key half, scores/values are taken against the cached latents directly, and the value half of
+    kv_b_proj is applied after; no per-token K/V is ever expanded.
+  - EXTEND in the expanded form: cached latents are expanded once per forward through kv_b_proj
+    (head dims 128+64 / 128 for V3 instead of 512+64 latents: cheaper when many queries share keys).
+Parameter names equal the checkpoint's, so loading is a name lookup plus the experts' own loader.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.layers.rotary import RotaryEmbedding
+from engine.mem.pool import MLATokenPool
+from engine.moe.base import Dispatcher, ExpertRunner
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def yarn_softmax_scale(cfg) -> float:
+    """Softmax scale with YaRN's mscale correction (applied twice: once for q, once for k)."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    rp = cfg.rope_parameters
+    if rp.get("rope_type", "default") != "default" and rp.get("mscale_all_dim"):
+        factor = rp["factor"]
+        if factor > 1:
+            m = 0.1 * rp["mscale_all_dim"] * torch.log(torch.tensor(factor)).item() + 1.0
+            scale *= m * m
+    return scale
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = cfg.num_attention_heads
+        self.q_lora_rank = cfg.q_lora_rank
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.nope_dim = cfg.qk_nope_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        h, nh, qk = cfg.hidden_size, self.num_heads, self.nope_dim + self.rope_dim
+        bias = cfg.attention_bias
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, nh * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, nh * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, nh * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(nh * self.v_dim, h, bias=bias)
+        self.rotary = rotary
+        self.scale = yarn_softmax_scale(cfg)
+
+    # -- stage 1: projections, rope, KV write (per token, no cross-request work)
+    def prepare(self, x: torch.Tensor, fb: ForwardBatch, pool: MLATokenPool):
+        T = x.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_pe = self.rotary(fb.positions, q_pe)
+        k_pe = self.rotary(fb.positions, k_pe)
+        pool.write(self.layer_id, fb.out_cache_loc, latent, k_pe)
+        return q_nope, q_pe
+
+    # -- stage 2: attention over the paged cache, then o_proj
+    def core(self, q_nope: torch.Tensor, q_pe: torch.Tensor, fb: ForwardBatch, pool: MLATokenPool) -> torch.Tensor:
+        T = q_nope.shape[0]
+        if T == 0:
+            return q_nope.new_zeros(0, self.o_proj.out_features)
+        md = fb.attn
+        kv = pool.gather(self.layer_id, md.kv_indices)  # [B, S, kv_lora + rope]
+        c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w.split([self.nope_dim, self.v_dim], dim=1)
+        if fb.forward_mode == ForwardMode.DECODE:
+            # absorbed: one query per request, T == B
+            q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)
+            scores = torch.einsum("bhc,bsc->bhs", q_lat, c_kv) + torch.einsum("bhr,bsr->bhs", q_pe, k_pe)
+            scores = scores.float() * self.scale
+            scores.masked_fill_(~md.kv_mask[:, None, :], float("-inf"))
+            p = scores.softmax(dim=-1).to(c_kv.dtype)
+            o_lat = torch.einsum("bhs,bsc->bhc", p, c_kv)
+            out = torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
+        else:
+            B, S = md.kv_indices.shape
+            kvb = self.kv_b_proj(c_kv).view(B, S, self.num_heads, self.nope_dim + self.v_dim)
+            k_nope, v = kvb.split([self.nope_dim, self.v_dim], dim=-1)
+            k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, S, self.num_heads, self.rope_dim)], dim=-1)
+            q = torch.cat([q_nope, q_pe], dim=-1)[md.q_index]  # [B, E, H, d]
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=md.attn_mask, scale=self.scale,
+            )  # [B, H, E, v]
+            out = q_nope.new_empty(T, self.num_heads, self.v_dim)
+            out[md.q_index[md.q_valid]] = o.transpose(1, 2)[md.q_valid]
+        return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: MLATokenPool) -> torch.Tensor:
+        q_nope, q_pe = self.prepare(x, fb, pool)
+        return self.core(q_nope, q_pe, fb, pool)
+
+
+class TopkRouter(nn.Module):
+    """DeepSeek-V3 gate: sigmoid scores, bias-corrected group-limited top-k, normalized, scaled."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.num_experts = cfg.n_routed_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group = cfg.n_group
+        self.topk_group = cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            T = x.shape[0]
+            grouped = choice.view(T, self.n_group, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+            choice = choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(T, -1), float("-inf"))
+        topk_ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        topk_weights = scores.gather(1, topk_ids)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
+        return topk_ids, topk_weights * self.routed_scaling_factor
+
+
+class RoutedExperts(nn.Module):
+    """This rank's routed experts as fused tensors; knows which checkpoint experts belong here."""
+
+    _NAME = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+    def __init__(self, cfg, expert_range: tuple[int, int]) -> None:
+        super().__init__()
+        self.expert_range = expert_range
+        n = expert_range[1] - expert_range[0]
+        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+        self.inter = inter
+        self.w13 = nn.Parameter(torch.empty(n, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(n, hidden, inter))
+        self.loaded = torch.zeros(n, 3, dtype=torch.bool)
+
+    def owns(self, global_expert: int) -> bool:
+        return self.expert_range[0] <= global_expert < self.expert_range[1]
+
+    def load(self, suffix: str, tensor: torch.Tensor) -> bool:
+        """Load `experts.{j}.{proj}.weight`; False if it is not an expert tensor of this layer."""
+        m = self._NAME.search(suffix)
+        if m is None:
+            return False
+        j, proj = int(m.group(1)), m.group(2)
+        if not self.owns(j):
+            raise ValueError(f"expert {j} does not belong to range {self.expert_range}")
+        e = j - self.expert_range[0]
+        if proj == "gate_proj":
+            self.w13.data[e, : self.inter].copy_(tensor)
+        elif proj == "up_proj":
+            self.w13.data[e, self.inter :].copy_(tensor)
+        else:
+            self.w2.data[e].copy_(tensor)
+        self.loaded[e, ("gate_proj", "up_proj", "down_proj").index(proj)] = True
+        return True
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg, expert_range: tuple[int, int]) -> None:
+        super().__init__()
+        self.gate = TopkRouter(cfg)
+        self.experts = RoutedExperts(cfg, expert_range)
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            if cfg.n_shared_experts
+            else None
+        )
+        # set by the model runner once the communication backends exist
+        self.dispatcher: Dispatcher | None = None
+        self.runner: ExpertRunner | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_ids, topk_weights = self.gate(x)
+        self.dispatcher.dispatch_a(x, topk_ids, topk_weights)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        d = self.dispatcher.dispatch_b()
+        self.dispatcher.combine_a(self.runner(d), d)
+        out = self.dispatcher.combine_b()
+        return out if shared is None else out + shared
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_id: int, rotary: RotaryEmbedding, expert_range: tuple[int, int]) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(cfg, layer_id, rotary)
+        self.is_moe = layer_id >= cfg.first_k_dense_replace
+        self.mlp = MoE(cfg, expert_range) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: MLATokenPool) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), fb, pool)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg, max_positions: int, expert_range: tuple[int, int]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg, max_positions, bool(getattr(cfg, "rope_interleave", True)))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, rotary, expert_range) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, cfg, *, max_positions: int, rank: int = 0, world_size: int = 1) -> None:
+        super().__init__()
+        if cfg.n_routed_experts % world_size:
+            raise ValueError(
+                f"ep_size: {world_size} does not divide n_routed_experts={cfg.n_routed_experts}"
+            )
+        per_rank = cfg.n_routed_experts // world_size
+        self.expert_range = (rank * per_rank, (rank + 1) * per_rank)
+        self.config = cfg
+        self.model = DeepseekV3Model(cfg, max_positions, self.expert_range)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        return [layer.mlp for layer in self.model.layers if layer.is_moe]
+
+    def hidden_states(self, fb: ForwardBatch, pool: MLATokenPool) -> torch.Tensor:
+        x = self.model.embed_tokens(fb.input_ids)
+        for layer in self.model.layers:
+            x = layer(x, fb, pool)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # -- loading
+    _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+    _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+    def wants(self, name: str) -> bool:
+        """Whether this rank needs checkpoint tensor `name` (other ranks' experts are skipped unread)."""
+        m = self._EXPERT.match(name)
+        if m is not None:
+            return self.expert_range[0] <= int(m.group(2)) < self.expert_range[1]
+        return True
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        buffers = dict(self.named_buffers())
+        seen: set[str] = set()
+        for name, t in tensors:
+            m = self._EXPERT.match(name)
+            if m is not None:
+                layer = self.model.layers[int(m.group(1))]
+                layer.mlp.experts.load(name, t)
+                continue
+            target = params.get(name)
+            if target is None:
+                target = buffers.get(name)
+            if target is None:
+                raise ValueError(f"model: unexpected tensor {name!r} in checkpoint")
+            if target.shape != t.shape:
+                raise ValueError(f"model: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(target.shape)}")
+            target.data.copy_(t)
+            seen.add(name)
+        missing = [n for n in params if n not in seen and ".experts.w" not in n]
+        missing += [n for n in buffers if n.endswith("e_score_correction_bias") and n not in seen]
+        for moe in self.moe_layers:
+            if not bool(moe.experts.loaded.all()):
+                missing.append(f"experts of a MoE layer in range {moe.experts.expert_range}")
+        if missing:
+            raise ValueError(f"model: checkpoint is missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -1,0 +1,53 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Random draws use the exponential-race trick (argmax of p / E with E ~ Exp(1)), which samples
+exactly from p. A request with a seed draws its noise from a generator seeded by
+(seed, index of the token in its output), so its tokens do not depend on its batch mates, on
+retraction/recompute, or on scheduling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.forward_batch import SamplingInfo
+
+
+def _noise(shape_v: int, seeds: list[int | None], output_index: list[int], device, fallback: torch.Generator) -> torch.Tensor:
+    rows = []
+    for seed, idx in zip(seeds, output_index):
+        if seed is None:
+            g = fallback
+        else:
+            g = torch.Generator(device="cpu")
+            g.manual_seed((seed * 1_000_003 + idx) & 0x7FFF_FFFF_FFFF_FFFF)
+        rows.append(torch.empty(shape_v, dtype=torch.float32).exponential_(generator=g))
+    return torch.stack(rows).to(device)
+
+
+def sample(logits: torch.Tensor, info: SamplingInfo, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [B, V] float32 -> (token ids [B], log p of each chosen token under the model or None)."""
+    logprobs = torch.log_softmax(logits, dim=-1) if info.return_logprobs else None
+    greedy_ids = logits.argmax(dim=-1)
+    if info.all_greedy:
+        ids = greedy_ids
+    else:
+        temps = info.temperatures.clamp(min=1e-5)[:, None]
+        x = logits / temps
+        if info.need_top_k:
+            kth = torch.sort(x, dim=-1, descending=True).values.gather(1, (info.top_ks.clamp(max=x.shape[-1]) - 1)[:, None])
+            x = x.masked_fill(x < kth, float("-inf"))
+        probs = x.softmax(dim=-1)
+        if info.need_top_p:
+            sp, si = probs.sort(dim=-1, descending=True)
+            cum = sp.cumsum(-1)
+            drop_sorted = (cum - sp) > info.top_ps[:, None]  # keep the smallest prefix reaching top_p
+            probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(1, si, drop_sorted), 0.0)
+        if info.need_min_p:
+            thresh = probs.max(dim=-1, keepdim=True).values * info.min_ps[:, None]
+            probs = probs.masked_fill(probs < thresh, 0.0)
+        e = _noise(probs.shape[-1], info.seeds, info.output_index, probs.device, generator)
+        sampled = (probs / e).argmax(dim=-1)
+        ids = torch.where(info.temperatures == 0, greedy_ids, sampled)
+    chosen = logprobs.gather(1, ids[:, None]).squeeze(1) if logprobs is not None else None
+    return ids, chosen

@@ -1,0 +1,122 @@
+"""Turn scheduled requests into a `ForwardBatch`: host-side index tensors, built once per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.forward_batch import AttentionMetadata, ForwardBatch, ForwardMode, SamplingInfo
+from engine.mem.req_table import ReqTable
+from engine.request import Req
+
+
+@dataclass
+class ScheduledBatch:
+    """A launched step as the scheduler remembers it, to process its results later."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    epochs: list[int]
+    extend_lens: list[int]  # new tokens per request (1 for decode)
+    sample_mask: list[bool]
+    future_ids: list[int]  # negative FutureMap ids of the sampled tokens
+    prompt_logprob_lens: list[int]  # per request: prompt-logprob targets computed this step
+    forward: ForwardBatch
+
+
+def _sampling_info(reqs: list[Req], vocab_size: int) -> SamplingInfo:
+    ps = [r.params for r in reqs]
+    temps = torch.tensor([p.temperature if not p.greedy else 0.0 for p in ps], dtype=torch.float32)
+    top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in ps], dtype=torch.int64)
+    return SamplingInfo(
+        temperatures=temps,
+        top_ps=torch.tensor([p.top_p for p in ps], dtype=torch.float32),
+        top_ks=top_ks,
+        min_ps=torch.tensor([p.min_p for p in ps], dtype=torch.float32),
+        seeds=[p.seed for p in ps],
+        output_index=[r.num_scheduled_outputs for r in reqs],
+        all_greedy=bool((temps == 0).all()),
+        need_top_k=any(0 < p.top_k < vocab_size and not p.greedy for p in ps),
+        need_top_p=any(p.top_p < 1.0 and not p.greedy for p in ps),
+        need_min_p=any(p.min_p > 0.0 and not p.greedy for p in ps),
+        return_logprobs=any(p.logprobs for p in ps),
+    )
+
+
+def build_batch(mode: ForwardMode, reqs: list[Req], extend_lens: list[int], table: ReqTable,
+                slots: list[int], future_slots: list[int], vocab_size: int) -> ForwardBatch:
+    """Build the forward input. Each request's new tokens start at position `req.kv_len`
+    (before this step) and its KV pages for them are already in the table."""
+    B = len(reqs)
+    prefix = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+    ext = torch.tensor(extend_lens, dtype=torch.int64)
+    seq = prefix + ext
+    max_s = int(seq.max())
+    slot_t = torch.tensor(slots, dtype=torch.int64)
+    kv_indices = table.token_slots(slot_t, max_s)
+    kv_mask = torch.arange(max_s)[None, :] < seq[:, None]
+    kv_indices = kv_indices.masked_fill(~kv_mask, 0)
+
+    ids: list[int] = []
+    for r, e in zip(reqs, extend_lens):
+        if mode == ForwardMode.DECODE:
+            ids.append(r.pending_future if r.pending_future is not None else r.fill_ids[-1])
+        else:
+            ids.extend(r.fill_ids[r.kv_len : r.kv_len + e])
+    input_ids = torch.tensor(ids, dtype=torch.int64)
+    starts = torch.cumsum(ext, 0) - ext
+    row = torch.repeat_interleave(torch.arange(B), ext)
+    offs = torch.arange(len(ids)) - starts[row]
+    positions = prefix[row] + offs
+    out_cache_loc = kv_indices[row, positions]
+
+    if mode == ForwardMode.DECODE:
+        sample_mask = [True] * B
+    else:  # a prefill chunk samples only when it reaches the end of the known tokens
+        sample_mask = [r.kv_len + e >= len(r.fill_ids) for r, e in zip(reqs, extend_lens)]
+    if mode == ForwardMode.DECODE:
+        attn = AttentionMetadata(kv_indices=kv_indices, kv_mask=kv_mask)
+    else:
+        max_e = int(ext.max())
+        e_ar = torch.arange(max_e)
+        q_valid = e_ar[None, :] < ext[:, None]
+        q_index = (starts[:, None] + e_ar[None, :]).masked_fill(~q_valid, 0)
+        q_pos = prefix[:, None] + e_ar[None, :]
+        allowed = (torch.arange(max_s)[None, None, :] <= q_pos[:, :, None]) & kv_mask[:, None, :]
+        allowed[:, :, 0] |= ~q_valid  # padded query rows: keep softmax finite
+        attn = AttentionMetadata(kv_indices=kv_indices, kv_mask=kv_mask, q_index=q_index,
+                                 q_valid=q_valid, attn_mask=allowed[:, None])
+
+    plp: list[tuple[int, int, int]] = []
+    for i, r in enumerate(reqs):
+        if mode == ForwardMode.EXTEND and r.wants_prompt_logprobs:
+            # positions p predict token p+1 while p+1 is still a prompt token
+            n = min(extend_lens[i], len(r.prompt_ids) - 1 - r.kv_len)
+            if n > 0:
+                plp.append((int(starts[i]), int(starts[i]) + n, i))
+    targets = [r.prompt_ids[r.kv_len + 1 + k] for (s, e, i) in plp for r in [reqs[i]] for k in range(e - s)]
+
+    fb = ForwardBatch(
+        forward_mode=mode,
+        input_ids=input_ids,
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        batch_size=B,
+        attn=attn,
+        sample_index=starts + ext - 1,
+        sample_mask=sample_mask,
+        sampling=_sampling_info(reqs, vocab_size),
+        future_slots=torch.tensor(future_slots, dtype=torch.int64),
+        prompt_logprob_ranges=plp,
+        prompt_logprob_targets=torch.tensor(targets, dtype=torch.int64),
+    )
+    return fb
+
+
+def idle_batch() -> ForwardBatch:
+    """Zero tokens: run by a rank without work so it still joins every MoE collective."""
+    z = torch.zeros(0, dtype=torch.int64)
+    return ForwardBatch(forward_mode=ForwardMode.IDLE, input_ids=z, positions=z, out_cache_loc=z,
+                        batch_size=0, attn=None, sample_index=z, sample_mask=[], sampling=None,
+                        future_slots=z)
