@@ -30,7 +30,7 @@ _SUPPORTED_RANKS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
 
 def _quant_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # Written independently of engine.moe.fp8 on purpose: the stand-in is an oracle.
-    xb = x.float().reshape(x.shape[0], -1, 128)
+    xb = x.float().reshape(x.shape[0], x.shape[1] // 128, 128)
     s = xb.abs().amax(-1).clamp_min(1e-4) / 448.0
     return (xb / s.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(x.shape), s
 
