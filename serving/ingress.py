@@ -120,7 +120,11 @@ class OpenAIIngress:
         arrival = time.perf_counter()
         header_id = request.headers.get("x-request-id", "")
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        rid = header_id if _REQUEST_ID_RE.match(header_id) else prefix + uuid.uuid4().hex
+        # Serve's proxy forwards (or assigns) `x-request-id`; reusing it ties our logs to Serve's
+        # access log. OpenAI ids carry a type prefix, so it is added unless already there.
+        if not _REQUEST_ID_RE.match(header_id):
+            header_id = uuid.uuid4().hex
+        rid = header_id if header_id.startswith(prefix) else prefix + header_id
         endpoint = "chat" if kind == "chat" else "completions"
         try:
             if self._inflight >= self.config.ingress.max_concurrent_requests:
