@@ -6,6 +6,7 @@ class, so a rank behaves the same whichever way it was started.
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -48,6 +49,7 @@ class RankInfo:
     world_size: int
     gang_id: str
     node_id: str
+    pid: int
     model: str
     max_model_len: int
     device: str
@@ -159,6 +161,7 @@ class EPRank:
             world_size=self.world_size,
             gang_id=self.gang_id,
             node_id=_node_id(),
+            pid=os.getpid(),
             model=self.config.model,
             max_model_len=int(self.engine.max_model_len),
             device=self.device,

@@ -10,6 +10,7 @@ which is what the cluster layer's health machinery has to detect. Each request e
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -146,7 +147,7 @@ class StubEngine:
             req.rid,
             req.prompt,
             list(req.tokens),
-            "",
+            f"pid={os.getpid()}",
             finished=True,
             finish_reason="abort",
             error=f"engine failed: {self._error!r}",
@@ -157,7 +158,7 @@ class StubEngine:
             req.rid,
             req.prompt,
             list(req.tokens),
-            "",
+            f"pid={os.getpid()}",  # tells tests which rank process served the request
             delta_token_ids=req.tokens[-1:],
             finished=finished,
             finish_reason=reason,  # type: ignore[arg-type]
