@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class EngineConfig(BaseModel):
@@ -39,12 +39,6 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     schedule_policy: Literal["fcfs", "priority"] = "fcfs"
     seed: int = 0
-
-    @model_validator(mode="after")
-    def _check(self) -> EngineConfig:
-        if self.enable_two_batch_overlap and self.ep_size == 1 and self.moe_a2a_backend == "none":
-            raise ValueError("enable_two_batch_overlap needs an all-to-all backend (moe_a2a_backend)")
-        return self
 
     @property
     def resolved_a2a_backend(self) -> str:

@@ -37,6 +37,7 @@ from engine.request import Req
 from engine.sampling_params import SamplingParams
 from engine.sched.batch import ScheduledBatch, idle_batch
 from engine.sched.scheduler import Scheduler
+from engine.tbo import make_children, plan_split
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class EngineStats:
     sbo: bool
     last_batch_size: int
     last_step_tokens: int
+    a2a_wait_s: float  # time blocked in all-to-all waits (dispatch_b / combine_b)
 
     @property
     def idle_fraction(self) -> float:
@@ -187,7 +189,7 @@ class Engine:
             prefill_tokens=c["prefill_tokens"], cached_tokens=c["cached"],
             retractions=self.scheduler.num_retractions, overlap=self.overlap, tbo_steps=c["tbo_steps"],
             sbo=self.config.enable_single_batch_overlap, last_batch_size=c["last_bs"],
-            last_step_tokens=c["last_tokens"])
+            last_step_tokens=c["last_tokens"], a2a_wait_s=self.runner.comm_stats.wait_s)
 
     def check_health(self, stall_timeout: float = 60.0) -> None:
         if self.error is not None:
@@ -273,6 +275,9 @@ class Engine:
             step = ScheduledBatch(ForwardMode.IDLE, [], [], [], [], [], [], fb)
         fb.global_num_tokens = [h.num_tokens for h in headers]
         fb.can_run_tbo = self.lockstep.can_run_tbo(headers)
+        if fb.can_run_tbo:
+            fb.tbo_children = make_children(fb, plan_split(fb, self.config.tbo_token_distribution_threshold))
+            self._counters["tbo_steps"] += 1
         return step
 
     def _launch(self, step: ScheduledBatch):

@@ -81,6 +81,11 @@ class ForwardBatch:
     # lockstep: token count of every rank in the group this step (EP); [T] for one rank
     global_num_tokens: list[int] = field(default_factory=list)
     can_run_tbo: bool = False
+    # per request: tokens already in the KV cache before this step, and new tokens this step
+    prefix_lens: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    # the two micro-batches of a TBO step (token ranges [0, t) and [t, T)), set after agreement
+    tbo_children: tuple[ForwardBatch, ForwardBatch] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +100,8 @@ class ForwardBatch:
             v = getattr(self, f.name)
             if isinstance(v, torch.Tensor):
                 v = v.to(device, non_blocking=True)
+            elif f.name == "tbo_children" and v is not None:
+                v = (v[0].to(device), v[1].to(device))
             elif isinstance(v, (AttentionMetadata, SamplingInfo)):
                 v = type(v)(**{
                     g.name: (getattr(v, g.name).to(device, non_blocking=True)

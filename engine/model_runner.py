@@ -15,11 +15,12 @@ import torch
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch, ForwardMode, forward_context
 from engine.mem.pool import MLATokenPool
-from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.models.deepseek_v3 import CommStats, DeepseekV3ForCausalLM
 from engine.models.loader import iter_checkpoint_tensors
 from engine.moe.factory import make_dispatcher, make_expert_runner
 from engine.parallel import ParallelContext
 from engine.sampler import sample
+from engine.tbo import DELTA_STAGES
 
 logger = logging.getLogger(__name__)
 
@@ -68,27 +69,52 @@ class ModelRunner:
                     time.time() - t0, model.expert_range)
         a2a = config.resolved_a2a_backend
         runner_backend = config.moe_runner_backend
-        if runner_backend == "auto":
-            runner_backend = "torch"
+        if runner_backend == "auto" and self.dtype == torch.float32:
+            runner_backend = "torch"  # FP8 grouped GEMMs would not keep float32 accuracy
+        self.a2a_backend = a2a
+        n_micro = 2 if config.enable_two_batch_overlap else 1
         for moe in self.model.moe_layers:
-            moe.dispatcher = make_dispatcher(
+            moe.dispatchers = [make_dispatcher(
                 a2a, num_experts=hf_config.n_routed_experts, hidden_size=hf_config.hidden_size,
                 ep_group=parallel.ep_group, rank=parallel.rank, world_size=parallel.world_size,
-                deepep_mode=config.deepep_mode, params_dtype=self.dtype)
+                deepep_mode=config.deepep_mode, params_dtype=self.dtype) for _ in range(n_micro)]
             moe.runner = make_expert_runner(runner_backend, moe.experts.w13, moe.experts.w2)
+            moe.sbo = config.enable_single_batch_overlap
+        if config.enable_single_batch_overlap:
+            from engine.sbo import configure_sbo
+
+            self.sbo_mode = configure_sbo(self.device, a2a)
         self.pool = MLATokenPool(hf_config.num_hidden_layers, num_pages, config.page_size,
                                  hf_config.kv_lora_rank, hf_config.qk_rope_head_dim, self.dtype, self.device)
+        for layer in self.model.model.layers:
+            layer.pool = self.pool
+        self.comm_stats = CommStats()
         self.futures = FutureMap(future_capacity, self.device)
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(config.seed)
+
+    def _set_deepep_mode(self, mode: ForwardMode) -> None:
+        """DeepEP `auto`: normal kernels for prefill, low-latency kernels for decode."""
+        if self.a2a_backend != "deepep" or self.config.deepep_mode != "auto" or mode == ForwardMode.IDLE:
+            return
+        for moe in self.model.moe_layers:
+            for d in moe.dispatchers:
+                d.set_mode("low_latency" if mode == ForwardMode.DECODE else "normal")
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
         t0 = time.perf_counter()
         fb = fb.to(self.device)
         fb.input_ids = self.futures.resolve(fb.input_ids)
+        self._set_deepep_mode(fb.forward_mode)
         with forward_context(fb):
-            hidden = self.model.hidden_states(fb, self.pool)
+            if fb.tbo_children is not None:
+                a, b = fb.tbo_children
+                t = a.num_tokens
+                a.input_ids, b.input_ids = fb.input_ids[:t], fb.input_ids[t:]
+                hidden = self.model.hidden_states_tbo(a, b, DELTA_STAGES[fb.forward_mode], self.comm_stats)
+            else:
+                hidden = self.model.hidden_states(fb, self.comm_stats)
         if fb.forward_mode == ForwardMode.IDLE or fb.batch_size == 0:
             return ForwardOutput(None, None, None, time.perf_counter() - t0)
         logits = self.model.logits(hidden[fb.sample_index])

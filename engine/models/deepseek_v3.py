@@ -15,6 +15,7 @@ Parameter names equal the checkpoint's, so loading is a name lookup plus the exp
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable
 
 import torch
@@ -137,10 +138,6 @@ class MLAttention(nn.Module):
             out[md.q_index[md.q_valid]] = o.transpose(1, 2)[md.q_valid]
         return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: MLATokenPool) -> torch.Tensor:
-        q_nope, q_pe = self.prepare(x, fb, pool)
-        return self.core(q_nope, q_pe, fb, pool)
-
 
 class TopkRouter(nn.Module):
     """DeepSeek-V3 gate: sigmoid scores, bias-corrected group-limited top-k, normalized, scaled."""
@@ -220,21 +217,53 @@ class MoE(nn.Module):
             if cfg.n_shared_experts
             else None
         )
-        # set by the model runner once the communication backends exist
-        self.dispatcher: Dispatcher | None = None
+        # set by the model runner once the communication backends exist: one dispatcher per
+        # micro-batch (under TBO two steps are in flight between their halves at once)
+        self.dispatchers: list[Dispatcher] = []
         self.runner: ExpertRunner | None = None
+        self.sbo = False  # single-batch overlap: shared experts inside the communication windows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_ids, topk_weights = self.gate(x)
-        self.dispatcher.dispatch_a(x, topk_ids, topk_weights)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
-        d = self.dispatcher.dispatch_b()
-        self.dispatcher.combine_a(self.runner(d), d)
-        out = self.dispatcher.combine_b()
-        return out if shared is None else out + shared
+
+class CommStats:
+    """Time spent blocked in the `*_b` (wait) halves of the MoE all-to-all."""
+
+    __slots__ = ("wait_s",)
+
+    def __init__(self) -> None:
+        self.wait_s = 0.0
+
+
+class MicroBatch:
+    """State of one micro-batch flowing through the layers' stages (TBO runs two of these)."""
+
+    __slots__ = ("fb", "index", "x", "residual", "h", "q_nope", "q_pe", "topk_ids", "topk_weights",
+                 "shared", "shared_act", "stats")
+
+    def __init__(self, fb: ForwardBatch, index: int, x: torch.Tensor, stats: CommStats | None = None) -> None:
+        self.fb, self.index, self.x, self.stats = fb, index, x, stats
+        self.residual = self.h = self.q_nope = self.q_pe = None
+        self.topk_ids = self.topk_weights = self.shared = self.shared_act = None
+
+
+def _timed_wait(mb: MicroBatch, fn):
+    if mb.stats is None:
+        return fn()
+    t0 = time.perf_counter()
+    out = fn()
+    mb.stats.wait_s += time.perf_counter() - t0
+    return out
 
 
 class DecoderLayer(nn.Module):
+    """A decoder layer as a list of stages; TBO interleaves two micro-batches' stage lists.
+
+    MoE layer, decode (B lags A by 2 stages; each boundary is a yield point):
+      attn prepare | attn core + expert selection | dispatch launch (+ shared up half under SBO)
+      | dispatch wait + experts + combine launch (+ shared down half under SBO) | combine wait
+    MoE layer, extend (B lags A by 0): attention .. dispatch launch | .. combine launch | combine wait
+    A dense layer is one stage. Run back to back, the stages are the plain forward.
+    """
+
     def __init__(self, cfg, layer_id: int, rotary: RotaryEmbedding, expert_range: tuple[int, int]) -> None:
         super().__init__()
         self.self_attn = MLAttention(cfg, layer_id, rotary)
@@ -242,10 +271,57 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg, expert_range) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pool: MLATokenPool | None = None  # set by the model runner
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: MLATokenPool) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), fb, pool)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    # -- operations (each takes the micro-batch it advances)
+    def _attn_prepare(self, mb: MicroBatch) -> None:
+        mb.residual = mb.x
+        mb.q_nope, mb.q_pe = self.self_attn.prepare(self.input_layernorm(mb.x), mb.fb, self.pool)
+
+    def _attn_core(self, mb: MicroBatch) -> None:
+        mb.x = mb.residual + self.self_attn.core(mb.q_nope, mb.q_pe, mb.fb, self.pool)
+        mb.q_nope = mb.q_pe = mb.residual = None
+        mb.h = self.post_attention_layernorm(mb.x)
+
+    def _dense_layer(self, mb: MicroBatch) -> None:
+        self._attn_prepare(mb)
+        self._attn_core(mb)
+        mb.x = mb.x + self.mlp(mb.h)
+        mb.h = None
+
+    def _select_experts(self, mb: MicroBatch) -> None:
+        mb.topk_ids, mb.topk_weights = self.mlp.gate(mb.h)
+
+    def _dispatch_a(self, mb: MicroBatch) -> None:
+        self.mlp.dispatchers[mb.index].dispatch_a(mb.h, mb.topk_ids, mb.topk_weights)
+        shared = self.mlp.shared_experts
+        if self.mlp.sbo and shared is not None:
+            mb.shared_act = F.silu(shared.gate_proj(mb.h)) * shared.up_proj(mb.h)
+
+    def _experts(self, mb: MicroBatch) -> None:
+        disp = self.mlp.dispatchers[mb.index]
+        d = _timed_wait(mb, disp.dispatch_b)
+        disp.combine_a(self.mlp.runner(d), d)
+        if mb.shared_act is not None:
+            mb.shared = self.mlp.shared_experts.down_proj(mb.shared_act)
+            mb.shared_act = None
+
+    def _combine_b(self, mb: MicroBatch) -> None:
+        out = _timed_wait(mb, self.mlp.dispatchers[mb.index].combine_b)
+        shared = self.mlp.shared_experts
+        if shared is not None:  # without SBO the shared experts run here, after communication
+            out = out + (mb.shared if mb.shared is not None else shared(mb.h))
+        mb.x = mb.x + out
+        mb.h = mb.shared = mb.topk_ids = mb.topk_weights = None
+
+    def stages(self, mode: ForwardMode) -> list[list]:
+        if not self.is_moe:
+            return [[self._dense_layer]]
+        if mode == ForwardMode.DECODE:
+            return [[self._attn_prepare], [self._attn_core, self._select_experts], [self._dispatch_a],
+                    [self._experts], [self._combine_b]]
+        return [[self._attn_prepare, self._attn_core, self._select_experts, self._dispatch_a],
+                [self._experts], [self._combine_b]]
 
 
 class DeepseekV3Model(nn.Module):
@@ -276,11 +352,25 @@ class DeepseekV3ForCausalLM(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.model.layers if layer.is_moe]
 
-    def hidden_states(self, fb: ForwardBatch, pool: MLATokenPool) -> torch.Tensor:
-        x = self.model.embed_tokens(fb.input_ids)
-        for layer in self.model.layers:
-            x = layer(x, fb, pool)
-        return self.model.norm(x)
+    def stage_list(self, mode: ForwardMode) -> list[list]:
+        """All layers' stages in order; a stage is a list of operations on one MicroBatch."""
+        return [stage for layer in self.model.layers for stage in layer.stages(mode)]
+
+    def hidden_states(self, fb: ForwardBatch, stats: CommStats | None = None) -> torch.Tensor:
+        mb = MicroBatch(fb, 0, self.model.embed_tokens(fb.input_ids), stats)
+        for stage in self.stage_list(fb.forward_mode):
+            for op in stage:
+                op(mb)
+        return self.model.norm(mb.x)
+
+    def hidden_states_tbo(self, a: ForwardBatch, b: ForwardBatch, delta: int,
+                          stats: CommStats | None = None) -> torch.Tensor:
+        """Two micro-batches through interleaved stages; outputs back in token order (a, then b)."""
+        from engine.tbo import run_interleaved
+
+        mbs = [MicroBatch(fb, i, self.model.embed_tokens(fb.input_ids), stats) for i, fb in enumerate((a, b))]
+        run_interleaved(self.stage_list(a.forward_mode), mbs, delta)
+        return self.model.norm(torch.cat([mbs[0].x, mbs[1].x]))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

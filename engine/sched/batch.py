@@ -44,6 +44,28 @@ def _sampling_info(reqs: list[Req], vocab_size: int) -> SamplingInfo:
     )
 
 
+def attention_metadata(mode: ForwardMode, prefix: torch.Tensor, ext: torch.Tensor,
+                       kv_rows: torch.Tensor) -> AttentionMetadata:
+    """Padded index tensors for requests with `prefix` cached and `ext` new tokens each, whose
+    KV slots for positions 0.. are `kv_rows` [B, >= max(prefix + ext)]. New tokens are laid out
+    request after request in the batch's token order."""
+    seq = prefix + ext
+    max_s = int(seq.max())
+    kv_mask = torch.arange(max_s)[None, :] < seq[:, None]
+    kv_indices = kv_rows[:, :max_s].masked_fill(~kv_mask, 0)
+    if mode == ForwardMode.DECODE:
+        return AttentionMetadata(kv_indices=kv_indices, kv_mask=kv_mask)
+    starts = torch.cumsum(ext, 0) - ext
+    e_ar = torch.arange(int(ext.max()))
+    q_valid = e_ar[None, :] < ext[:, None]
+    q_index = (starts[:, None] + e_ar[None, :]).masked_fill(~q_valid, 0)
+    q_pos = prefix[:, None] + e_ar[None, :]
+    allowed = (torch.arange(max_s)[None, None, :] <= q_pos[:, :, None]) & kv_mask[:, None, :]
+    allowed[:, :, 0] |= ~q_valid  # padded query rows: keep softmax finite (outputs dropped)
+    return AttentionMetadata(kv_indices=kv_indices, kv_mask=kv_mask, q_index=q_index,
+                             q_valid=q_valid, attn_mask=allowed[:, None])
+
+
 def build_batch(mode: ForwardMode, reqs: list[Req], extend_lens: list[int], table: ReqTable,
                 slots: list[int], future_slots: list[int], vocab_size: int) -> ForwardBatch:
     """Build the forward input. Each request's new tokens start at position `req.kv_len`
@@ -55,8 +77,6 @@ def build_batch(mode: ForwardMode, reqs: list[Req], extend_lens: list[int], tabl
     max_s = int(seq.max())
     slot_t = torch.tensor(slots, dtype=torch.int64)
     kv_indices = table.token_slots(slot_t, max_s)
-    kv_mask = torch.arange(max_s)[None, :] < seq[:, None]
-    kv_indices = kv_indices.masked_fill(~kv_mask, 0)
 
     ids: list[int] = []
     for r, e in zip(reqs, extend_lens):
@@ -75,19 +95,7 @@ def build_batch(mode: ForwardMode, reqs: list[Req], extend_lens: list[int], tabl
         sample_mask = [True] * B
     else:  # a prefill chunk samples only when it reaches the end of the known tokens
         sample_mask = [r.kv_len + e >= len(r.fill_ids) for r, e in zip(reqs, extend_lens)]
-    if mode == ForwardMode.DECODE:
-        attn = AttentionMetadata(kv_indices=kv_indices, kv_mask=kv_mask)
-    else:
-        max_e = int(ext.max())
-        e_ar = torch.arange(max_e)
-        q_valid = e_ar[None, :] < ext[:, None]
-        q_index = (starts[:, None] + e_ar[None, :]).masked_fill(~q_valid, 0)
-        q_pos = prefix[:, None] + e_ar[None, :]
-        allowed = (torch.arange(max_s)[None, None, :] <= q_pos[:, :, None]) & kv_mask[:, None, :]
-        allowed[:, :, 0] |= ~q_valid  # padded query rows: keep softmax finite
-        attn = AttentionMetadata(kv_indices=kv_indices, kv_mask=kv_mask, q_index=q_index,
-                                 q_valid=q_valid, attn_mask=allowed[:, None])
-
+    attn = attention_metadata(mode, prefix, ext, kv_indices)
     plp: list[tuple[int, int, int]] = []
     for i, r in enumerate(reqs):
         if mode == ForwardMode.EXTEND and r.wants_prompt_logprobs:
@@ -110,6 +118,8 @@ def build_batch(mode: ForwardMode, reqs: list[Req], extend_lens: list[int], tabl
         future_slots=torch.tensor(future_slots, dtype=torch.int64),
         prompt_logprob_ranges=plp,
         prompt_logprob_targets=torch.tensor(targets, dtype=torch.int64),
+        prefix_lens=prefix.tolist(),
+        extend_lens=list(extend_lens),
     )
     return fb
 
