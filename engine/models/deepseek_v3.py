@@ -158,11 +158,11 @@ class TopkRouter(nn.Module):
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:
             T = x.shape[0]
-            grouped = choice.view(T, self.n_group, -1)
+            grouped = choice.view(T, self.n_group, self.num_experts // self.n_group)
             group_scores = grouped.topk(2, dim=-1).values.sum(-1)
             group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
             keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-            choice = choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(T, -1), float("-inf"))
+            choice = choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(T, self.num_experts), float("-inf"))
         topk_ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
         topk_weights = scores.gather(1, topk_ids)
         if self.norm_topk_prob:
