@@ -79,6 +79,9 @@ class _RankActor:
     async def check_health(self) -> None:
         self._rank.check_health()
 
+    async def tokenizer(self) -> Any:
+        return self._rank.engine.tokenizer
+
     async def info(self) -> RankInfo:
         return self._rank.info()
 
@@ -119,6 +122,7 @@ class OfflineEPGroup:
         self._failure: str | None = None
         self._actors: list[Any] = []
         self._pg: Any = None
+        self._tokenizer: Any = None
         if gpus_per_rank is None:
             gpus_per_rank = default_gpus_per_rank(engine_config.resolved_device)
         bundle = rank_bundle(cpus_per_rank, gpus_per_rank)
@@ -253,6 +257,16 @@ class OfflineEPGroup:
             raise EPGroupError(f"EP group {self.group_id} was shut down")
 
     # -- introspection (tests, LLM) --------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, fetched from rank 0 (the driver may not hold the checkpoint)."""
+        import ray
+
+        if self._tokenizer is None:
+            self._check_alive()
+            self._tokenizer = ray.get(self._actors[0].tokenizer.remote())
+        return self._tokenizer
 
     def info(self) -> list[RankInfo]:
         import ray

@@ -41,6 +41,9 @@ class RankOptions:
     # Bound on any one collective: a peer that died mid-step makes the survivors' collectives fail
     # after at most this long (gloo usually notices a closed socket much sooner).
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    # Address rank 0 publishes for the group; None = its Ray node IP. "127.0.0.1" keeps a
+    # single-machine group (tests, a laptop) on loopback.
+    master_address: str | None = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ class EPRank:
             device=self.device,
             rendezvous_timeout_s=options.rendezvous_timeout_s,
             collective_timeout_s=options.collective_timeout_s,
+            master_address=options.master_address,
         )
         try:
             self.engine = (engine_factory or default_engine_factory)(engine_config, self.parallel)

@@ -116,11 +116,13 @@ def init_ep_process_groups(
     device: str,
     rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    master_address: str | None = None,
 ) -> ParallelContext:
     """Join this process to its EP group and return the engine's `ParallelContext`.
 
-    Must run inside a Ray worker (it uses the internal KV) and once per process: the default
-    `torch.distributed` group is process-global.
+    `master_address` is what rank 0 binds and publishes (default: its Ray node IP); pass
+    127.0.0.1 to keep a single-machine group on loopback. Must run inside a Ray worker (it uses
+    the internal KV) and once per process: the default `torch.distributed` group is process-global.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world_size {world_size}")
@@ -130,7 +132,7 @@ def init_ep_process_groups(
     import torch.distributed as dist
 
     if rank == 0:
-        address = node_address()
+        address = master_address or node_address()
         master = MasterAddress(address, free_port(address), ray.get_runtime_context().get_node_id())
         publish_master(group_id, master)
     else:

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+from conftest import LOOPBACK
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
@@ -24,7 +25,9 @@ def _group(**kw):
     return OfflineEPGroup(
         EngineConfig(ep_size=2, device="cpu"),
         engine_factory=_stub_factory,
-        options=RankOptions(rendezvous_timeout_s=30, collective_timeout_s=30),
+        options=RankOptions(
+            rendezvous_timeout_s=30, collective_timeout_s=30, master_address=LOOPBACK
+        ),
         health_check_period_s=0.5,
         health_check_timeout_s=5,
         **kw,

@@ -8,7 +8,14 @@ import pytest
 class _Member:
     """A bare rank: rendezvous, then one all-reduce on each of the two groups."""
 
-    def __init__(self, rank: int, world_size: int, group_id: str, rendezvous_timeout_s: float):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        group_id: str,
+        rendezvous_timeout_s: float,
+        master_address: str | None = "127.0.0.1",
+    ):
         from cluster.rendezvous import init_ep_process_groups
 
         self.ctx = init_ep_process_groups(
@@ -18,7 +25,16 @@ class _Member:
             device="cpu",
             rendezvous_timeout_s=rendezvous_timeout_s,
             collective_timeout_s=30,
+            master_address=master_address,
         )
+
+    def master_address(self) -> str:
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        while hasattr(store, "underlying_store"):  # PrefixStore wrappers around the TCPStore
+            store = store.underlying_store
+        return store.host
 
     def all_reduce(self) -> tuple[float, float]:
         import torch
@@ -34,6 +50,7 @@ class _Member:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_rendezvous_forms_working_gloo_groups_in_placement_group(local_ray, world_size):
     import ray
+    from ray.experimental import internal_kv
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -52,16 +69,17 @@ def test_rendezvous_forms_working_gloo_groups_in_placement_group(local_ray, worl
         ).remote(r, world_size, group_id, 30)
         for r in range(world_size)
     ]
-    results = ray.get([m.all_reduce.remote() for m in members], timeout=60)
-    n = world_size * (world_size + 1) / 2
-    assert results == [(n, 10 * n)] * world_size
-    # Rank 0 withdraws the address once everyone joined: no key leaks per group incarnation.
-    from ray.experimental import internal_kv
-
-    assert not internal_kv._internal_kv_list("ep_master/" + group_id, namespace=KV_NAMESPACE)
-    for m in members:
-        ray.kill(m)
-    remove_placement_group(pg)
+    try:
+        results = ray.get([m.all_reduce.remote() for m in members], timeout=60)
+        n = world_size * (world_size + 1) / 2
+        assert results == [(n, 10 * n)] * world_size
+        assert ray.get(members[1].master_address.remote()) == "127.0.0.1"  # loopback only
+        # Rank 0 withdraws the address once everyone joined: no key leaks per incarnation.
+        assert not internal_kv._internal_kv_list("ep_master/" + group_id, namespace=KV_NAMESPACE)
+    finally:
+        for m in members:
+            ray.kill(m)
+        remove_placement_group(pg)
 
 
 def test_rendezvous_times_out_clearly_when_rank0_never_publishes(local_ray):

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+from conftest import LOOPBACK
 
 from engine.config import EngineConfig
 
@@ -52,7 +53,9 @@ def serve_app(local_ray):
     )  # fmt: skip
     app = build_rank_app(
         CONFIG,
-        rank_options=RankOptions(rendezvous_timeout_s=30, collective_timeout_s=20),
+        rank_options=RankOptions(
+            rendezvous_timeout_s=30, collective_timeout_s=20, master_address=LOOPBACK
+        ),
         engine_factory=_stub_factory,
         **opts,
     )
