@@ -52,7 +52,12 @@ class StubEngine:
     step_s = 0.02
     stall_timeout_s = 5.0
 
-    def __init__(self, config: EngineConfig, parallel: ParallelContext) -> None:
+    def __init__(
+        self, config: EngineConfig, parallel: ParallelContext, *, hang_rank: int | None = None
+    ) -> None:
+        # `hang_rank`: that rank's loop blocks forever once it has work (a wedged kernel or a
+        # stuck collective), without dying: only the stall checks can notice.
+        self.hang = hang_rank == parallel.rank
         self.config = config
         self.parallel = parallel
         self.model = None
@@ -117,6 +122,8 @@ class StubEngine:
             while True:
                 with self._lock:
                     local = list(self._reqs.values())
+                if self.hang and local:
+                    threading.Event().wait()
                 header = torch.tensor([len(local), int(self._stop)], dtype=torch.int64)
                 if self.parallel.is_distributed:
                     dist.all_reduce(header, group=self.parallel.control_group)

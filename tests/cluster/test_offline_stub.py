@@ -18,13 +18,19 @@ def _stub_factory(config, parallel):
     return StubEngine(config, parallel)
 
 
+def _hanging_rank1_factory(config, parallel):
+    from stub_engine import StubEngine
+
+    return StubEngine(config, parallel, hang_rank=1)
+
+
 def _group(**kw):
     from cluster.offline import OfflineEPGroup
     from cluster.rank import RankOptions
 
+    kw.setdefault("engine_factory", _stub_factory)
     return OfflineEPGroup(
         EngineConfig(ep_size=2, device="cpu"),
-        engine_factory=_stub_factory,
         options=RankOptions(
             rendezvous_timeout_s=30, collective_timeout_s=30, master_address=LOOPBACK
         ),
@@ -100,3 +106,15 @@ def test_killing_a_rank_mid_generation_fails_pending_requests_then_new_group_ser
     with _group() as fresh:
         reqs = _requests(2)
         assert [o.token_ids for o in fresh.generate(reqs)] == [_expected(r) for r in reqs]
+
+
+def test_a_hung_rank_fails_the_group_by_stall_detection(local_ray):
+    """No process dies: rank 1 wedges, rank 0 blocks in its collective. Health checks report the
+    stall (stub stall timeout 5 s) and the batch fails instead of hanging."""
+    from cluster.offline import EPGroupError
+
+    with _group(engine_factory=_hanging_rank1_factory) as group:
+        t0 = time.monotonic()
+        with pytest.raises(EPGroupError, match="no progress"):
+            group.generate(_requests(2, max_tokens=50), placement=[0, 1])
+        assert time.monotonic() - t0 < 20
