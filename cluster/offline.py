@@ -107,7 +107,10 @@ class OfflineEPGroup:
         placement_timeout_s: float = 120.0,
         health_check_period_s: float = 1.0,
         health_check_timeout_s: float = 10.0,
+        startup_timeout_s: float | None = None,
     ) -> None:
+        """`startup_timeout_s` bounds rendezvous plus model load (None: no extra bound; a rank
+        that dies or misses the rendezvous still fails startup through its own timeouts)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -151,14 +154,26 @@ class OfflineEPGroup:
                         engine_factory,
                     )
                 )
-            # Rendezvous happens in the constructors; they all finish or one fails.
-            ray.get(
-                [a.ready.remote() for a in self._actors],
-                timeout=self._options.rendezvous_timeout_s + self._options.collective_timeout_s,
-            )
+            self._wait_started(startup_timeout_s)
         except BaseException:
             self._teardown()
             raise
+
+    def _wait_started(self, timeout_s: float | None) -> None:
+        """Rendezvous and model load happen in the rank constructors. Fail on the first rank that
+        fails (its peers would otherwise sit in rendezvous until their own timeouts)."""
+        import ray
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = [a.ready.remote() for a in self._actors]
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                raise TimeoutError(
+                    f"EP group {self.group_id}: {len(pending)} ranks not started within {timeout_s} s"
+                )
+            ray.get(ready)  # raises the rank's constructor error
 
     # -- serving ---------------------------------------------------------------------------------
 
@@ -170,7 +185,6 @@ class OfflineEPGroup:
         `placement[i]` is the rank request i runs on (default: round-robin). Raises `ValueError`
         for invalid requests before any runs, `EPGroupError` when the group fails meanwhile.
         """
-
         self._check_alive()
         if placement is None:
             placement = [i % self.ep_size for i in range(len(requests))]

@@ -118,3 +118,19 @@ def test_a_hung_rank_fails_the_group_by_stall_detection(local_ray):
         with pytest.raises(EPGroupError, match="no progress"):
             group.generate(_requests(2, max_tokens=50), placement=[0, 1])
         assert time.monotonic() - t0 < 20
+
+
+def _failing_rank1_factory(config, parallel):
+    from stub_engine import StubEngine
+
+    if parallel.rank == 1:
+        raise RuntimeError("rank 1 could not load its experts")
+    return StubEngine(config, parallel)
+
+
+def test_a_rank_failing_at_startup_fails_the_group_promptly(local_ray):
+    """Rank 0 sits in the collective startup with its peer gone; the group must not wait for it."""
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="could not load its experts"):
+        _group(engine_factory=_failing_rank1_factory)
+    assert time.monotonic() - t0 < 20
