@@ -25,6 +25,7 @@ from engine.parallel import ParallelContext
 from engine.sampling_params import SamplingParams
 
 VOCAB = 1000
+CRASH_TOKEN = 999_999  # a prompt starting with it crashes the rank's loop (a failed forward)
 
 
 @dataclass
@@ -133,6 +134,8 @@ class StubEngine:
                 if header[1] > 0:
                     return
                 for req in local:
+                    if req.prompt[0] == CRASH_TOKEN:
+                        raise RuntimeError("simulated crash in the forward")
                     req.tokens.append((req.prompt[-1] + len(req.tokens) + 1) % VOCAB)
                     if len(req.tokens) >= req.params.max_tokens:
                         with self._lock:

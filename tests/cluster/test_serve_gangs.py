@@ -185,3 +185,29 @@ async def _final(stream, rid: str):
     async for out in stream.generate.remote(rid, [0], {"max_tokens": 3}):
         last = out
     return last
+
+
+def test_a_rank_whose_loop_died_fails_health_checks_and_its_gang_restarts(serve_app):
+    """The process stays up; only `check_health` can tell Serve the gang is broken."""
+    from stub_engine import CRASH_TOKEN
+
+    before = _gangs(_all_infos(serve_app, 4))
+    pid_to_gang = {m["pid"]: g for g, ms in before.items() for m in ms}
+
+    async def crash():
+        stream = serve_app.options(stream=True)
+        return [o async for o in stream.generate.remote("crash", [CRASH_TOKEN], {"max_tokens": 5})]
+
+    (out,) = asyncio.run(crash())
+    assert out.finished and out.finish_reason == "abort" and "simulated crash" in out.error
+    broken = pid_to_gang[int(out.text[4:])]
+    (healthy,) = set(before) - {broken}
+    deadline = time.monotonic() + 60
+    after: dict[str, list[dict]] = {}
+    while time.monotonic() < deadline:
+        after = _gangs(_all_infos(serve_app, 4, timeout_s=20))
+        if len(after) == 2 and broken not in after and all(len(m) == 2 for m in after.values()):
+            break
+        time.sleep(1)
+    assert broken not in after and healthy in after
+    assert [m["pid"] for m in after[healthy]] == [m["pid"] for m in before[healthy]]
