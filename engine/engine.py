@@ -135,6 +135,7 @@ class Engine:
         self.lockstep = Lockstep(parallel, config)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._group_stopped = False
         self.error: BaseException | None = None
         self.last_progress = time.monotonic()
         self._counters = dict(steps=0, prefill_steps=0, decode_steps=0, idle_steps=0, schedule_time=0.0,
@@ -210,6 +211,8 @@ class Engine:
         torch.set_grad_enabled(False)
         try:
             self._overlap_loop() if self.overlap else self._normal_loop()
+            for req in self.scheduler.fail_all("engine shut down"):
+                req.on_output(req.make_output([]))
         except BaseException as e:  # the loop is gone: fail everything, health checks report it
             logger.exception("engine loop died")
             self.error = e
@@ -217,7 +220,7 @@ class Engine:
                 req.on_output(req.make_output([]))
 
     def _normal_loop(self) -> None:
-        while not self._stop.is_set():
+        while not self._group_stopped:
             self._receive(block=not self.scheduler.has_work)
             step = self._schedule()
             if step is not None:
@@ -225,7 +228,7 @@ class Engine:
 
     def _overlap_loop(self) -> None:
         last = None
-        while not self._stop.is_set():
+        while not self._group_stopped:
             self._receive(block=not self.scheduler.has_work and last is None)
             step = self._schedule()
             pending = self._launch(step) if step is not None else None
@@ -235,6 +238,8 @@ class Engine:
 
     # ------------------------------------------------------------------ mechanics
     def _receive(self, block: bool) -> None:
+        if self._stop.is_set():
+            block = False
         if block and not self.lockstep.active:
             t0 = time.perf_counter()
             msg = self._inbox.get()
@@ -266,9 +271,11 @@ class Engine:
         t0 = time.perf_counter()
         step = self.scheduler.schedule()
         fb = step.forward if step is not None else None
-        headers = self.lockstep.agree(fb)
+        headers = self.lockstep.agree(fb, stopping=self._stop.is_set())
         self._counters["schedule_time"] += time.perf_counter() - t0
-        if headers is None:
+        # a group stops together: a rank leaving alone would strand the others in a collective
+        self._group_stopped = self.lockstep.all_stopping(headers)
+        if not self.lockstep.any_work(headers):
             return None
         if step is None:
             fb = idle_batch()

@@ -24,6 +24,7 @@ class StepHeader:
     num_tokens: int
     mode: int  # ForwardMode value, or 0 for "no batch"
     tbo_ok: bool
+    stopping: bool = False  # this rank is shutting down; the group stops when all are
 
 
 def local_header(fb: ForwardBatch | None, config: EngineConfig) -> StepHeader:
@@ -41,20 +42,25 @@ class Lockstep:
         self.config = config
         self.active = parallel.is_distributed
 
-    def agree(self, fb: ForwardBatch | None) -> list[StepHeader] | None:
-        """Headers of all ranks for this step, or None when no rank has anything to run."""
+    def agree(self, fb: ForwardBatch | None, stopping: bool = False) -> list[StepHeader]:
+        """Headers of all ranks for this step (every rank calls this once per loop iteration)."""
         mine = local_header(fb, self.config)
         if not self.active:
-            return None if fb is None else [mine]
+            return [StepHeader(mine.num_tokens, mine.mode, mine.tbo_ok, stopping)]
         import torch.distributed as dist
 
-        t = torch.tensor([mine.num_tokens, mine.mode, int(mine.tbo_ok)], dtype=torch.int64)
+        t = torch.tensor([mine.num_tokens, mine.mode, int(mine.tbo_ok), int(stopping)], dtype=torch.int64)
         out = [torch.empty_like(t) for _ in range(self.parallel.world_size)]
         dist.all_gather(out, t, group=self.parallel.control_group)
-        headers = [StepHeader(int(h[0]), int(h[1]), bool(h[2])) for h in out]
-        if all(h.mode == _NO_BATCH for h in headers):
-            return None
-        return headers
+        return [StepHeader(int(h[0]), int(h[1]), bool(h[2]), bool(h[3])) for h in out]
+
+    @staticmethod
+    def any_work(headers: list[StepHeader]) -> bool:
+        return any(h.mode != _NO_BATCH for h in headers)
+
+    @staticmethod
+    def all_stopping(headers: list[StepHeader]) -> bool:
+        return all(h.stopping for h in headers)
 
     def can_run_tbo(self, headers: list[StepHeader]) -> bool:
         """TBO only when every rank can split its batch the same way: same mode, enough tokens,
