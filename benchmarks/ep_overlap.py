@@ -1,0 +1,68 @@
+"""TBO/SBO off vs on at ep_size 2, decode and prefill, in one run.
+
+Reports per-step forward time and the time ranks spend blocked in all-to-all waits, and the
+fraction of that blocked time hidden by overlap (1 - blocked_on / blocked_off). `--delay-ms`
+delays each all-to-all by a set latency (as if the ranks were on different nodes), so the effect
+of inter-node latency shows on one machine.
+
+    python benchmarks/ep_overlap.py [--delay-ms 2] [--out ep_overlap.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ep_harness import run_group  # noqa: E402
+
+MODES = {"off": {}, "sbo": {"enable_single_batch_overlap": True}, "tbo": {"enable_two_batch_overlap": True},
+         "tbo+sbo": {"enable_two_batch_overlap": True, "enable_single_batch_overlap": True}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--delay-ms", type=float, default=2.0)
+    ap.add_argument("--decode-requests", type=int, default=64)
+    ap.add_argument("--prefill-requests", type=int, default=16)
+    ap.add_argument("--out", default="ep_overlap.json")
+    args = ap.parse_args()
+    rng = random.Random(0)
+    workloads = {
+        "decode": [([rng.randrange(3, 2000) for _ in range(4)], 32) for _ in range(args.decode_requests)],
+        "prefill": [([rng.randrange(3, 2000) for _ in range(rng.randrange(200, 400))], 1)
+                    for _ in range(args.prefill_requests)],
+    }
+    results = {}
+    for wname, reqs in workloads.items():
+        for mname, flags in MODES.items():
+            kw = dict(model="tiny-dsv3", ep_size=2, kv_cache_tokens=32768, moe_a2a_backend="torch",
+                      enable_overlap_schedule=False, chunked_prefill_size=1024, **flags)
+            res = run_group(2, kw, reqs, delay_ms=args.delay_ms)
+            steps = max(r["steps"] for r in res)
+            results[(wname, mname)] = {
+                "steps": steps,
+                "step_ms": 1e3 * max(r["forward_time_s"] for r in res) / steps,
+                "blocked_ms_per_step": 1e3 * sum(r["a2a_wait_s"] for r in res) / len(res) / steps,
+                "tbo_steps": max(r["tbo_steps"] for r in res),
+                "wall_s": max(r["wall_s"] for r in res),
+            }
+    print(f"delay per all-to-all: {args.delay_ms} ms")
+    print(f"{'workload':<9}{'mode':<9}{'step ms':>9}{'blocked ms':>12}{'hidden':>8}{'speedup':>9}{'tbo steps':>11}")
+    out = []
+    for (wname, mname), r in results.items():
+        base = results[(wname, "off")]
+        hidden = 1 - r["blocked_ms_per_step"] / base["blocked_ms_per_step"] if base["blocked_ms_per_step"] else 0.0
+        speedup = base["step_ms"] / r["step_ms"]
+        print(f"{wname:<9}{mname:<9}{r['step_ms']:>9.2f}{r['blocked_ms_per_step']:>12.2f}{hidden:>8.0%}"
+              f"{speedup:>9.2f}{r['tbo_steps']:>11}")
+        out.append({"workload": wname, "mode": mname, "hidden_fraction": hidden, "speedup": speedup, **r})
+    with open(args.out, "w") as f:
+        json.dump({"delay_ms": args.delay_ms, "rows": out}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
