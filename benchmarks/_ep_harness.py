@@ -31,10 +31,8 @@ def _rank_main(rank: int, world: int, port: int, config_kw: dict, requests: list
 
     from engine.config import EngineConfig
     from engine.engine import Engine
-    from engine.parallel import ParallelContext
+    from engine.parallel import SINGLE_RANK, ParallelContext
     from engine.sampling_params import SamplingParams
-
-    from engine.parallel import SINGLE_RANK
 
     pc, harness = SINGLE_RANK, None
     if world > 1:

@@ -133,7 +133,7 @@ class ThreadExecutor:
             start = time.perf_counter()
             try:
                 if self._cuda is not None:
-                    out = self._cuda.run(lambda: self._forward(fb))
+                    out = self._cuda.run(lambda fb=fb: self._forward(fb))
                 else:
                     out = _to_host(self._forward(fb))
             except BaseException as e:

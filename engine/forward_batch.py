@@ -7,9 +7,6 @@ executor moves it to the device and runs the model inside `forward_context(batch
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
 
@@ -110,25 +107,3 @@ class ForwardBatch:
                 })
             moved[f.name] = v
         return ForwardBatch(**moved)
-
-
-_ctx = threading.local()
-
-
-@contextlib.contextmanager
-def forward_context(batch: ForwardBatch) -> Iterator[ForwardBatch]:
-    """Scope the batch being run so deep layers (MoE dispatch mode, TBO) can see it. No nesting."""
-    if getattr(_ctx, "batch", None) is not None:
-        raise RuntimeError("forward_context is already active in this thread")
-    _ctx.batch = batch
-    try:
-        yield batch
-    finally:
-        _ctx.batch = None
-
-
-def get_forward_context() -> ForwardBatch:
-    batch = getattr(_ctx, "batch", None)
-    if batch is None:
-        raise RuntimeError("no forward_context is active")
-    return batch

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.forward_batch import ForwardBatch, ForwardMode, forward_context
+from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.mem.pool import MLATokenPool
 from engine.models.deepseek_v3 import CommStats, DeepseekV3ForCausalLM
 from engine.models.loader import iter_checkpoint_tensors
@@ -107,14 +107,13 @@ class ModelRunner:
         fb = fb.to(self.device)
         fb.input_ids = self.futures.resolve(fb.input_ids)
         self._set_deepep_mode(fb.forward_mode)
-        with forward_context(fb):
-            if fb.tbo_children is not None:
-                a, b = fb.tbo_children
-                t = a.num_tokens
-                a.input_ids, b.input_ids = fb.input_ids[:t], fb.input_ids[t:]
-                hidden = self.model.hidden_states_tbo(a, b, DELTA_STAGES[fb.forward_mode], self.comm_stats)
-            else:
-                hidden = self.model.hidden_states(fb, self.comm_stats)
+        if fb.tbo_children is not None:
+            a, b = fb.tbo_children
+            t = a.num_tokens
+            a.input_ids, b.input_ids = fb.input_ids[:t], fb.input_ids[t:]
+            hidden = self.model.hidden_states_tbo(a, b, DELTA_STAGES[fb.forward_mode], self.comm_stats)
+        else:
+            hidden = self.model.hidden_states(fb, self.comm_stats)
         if fb.forward_mode == ForwardMode.IDLE or fb.batch_size == 0:
             return ForwardOutput(None, None, None, time.perf_counter() - t0)
         logits = self.model.logits(hidden[fb.sample_index])

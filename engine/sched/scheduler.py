@@ -17,8 +17,6 @@ import bisect
 import logging
 from collections import deque
 
-import torch
-
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardMode
 from engine.mem.pool import PageAllocator

@@ -131,7 +131,7 @@ def test_overlap_on_off_identical_mixed_finishes(alone_outputs):
     assert results[False] == results[True]
     reasons = {r for _, _, r in results[True]}
     assert reasons == {"stop", "length"}
-    for (toks, text, reason), sp in zip(results[True], params):
+    for (_toks, text, reason), sp in zip(results[True], params):
         if sp.stop and reason == "stop":
             assert not any(s in text for s in sp.stop)
 
@@ -185,7 +185,7 @@ def test_bad_input_does_not_disturb_running_requests(llm):
     t = threading.Thread(target=lambda: res.setdefault("o", llm.generate(
         prompt_token_ids=[[5, 6, 7]] * 4, sampling_params=SamplingParams(max_tokens=40, ignore_eos=True))))
     t.start()
-    for ids, kw, field in BAD:
+    for ids, kw, _field in BAD:
         with pytest.raises(ValueError):
             llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(**kw) if kw else None)
     t.join(60)

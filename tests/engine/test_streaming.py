@@ -86,7 +86,7 @@ def test_many_short_requests_arriving_while_others_decode(aengine):
         return [(await _collect(aengine, ids, sp))[1].token_ids for ids, sp in reqs[:12]]
 
     ref = asyncio.run(alone())
-    for (deltas, last), (ids, sp) in zip(results, reqs):
+    for (deltas, last), (_ids, sp) in zip(results, reqs):
         assert sum((d.delta_token_ids for d in deltas), []) == last.token_ids
         assert len(last.token_ids) == sp.max_tokens
     assert [last.token_ids for _, last in results[:12]] == ref
