@@ -39,6 +39,7 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     schedule_policy: Literal["fcfs", "priority"] = "fcfs"
     seed: int = 0
+    stall_timeout_s: float = Field(60.0, gt=0, description="health fails after this long without progress while work is pending")
 
     @property
     def resolved_a2a_backend(self) -> str:

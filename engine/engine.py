@@ -192,7 +192,8 @@ class Engine:
             sbo=self.config.enable_single_batch_overlap, last_batch_size=c["last_bs"],
             last_step_tokens=c["last_tokens"], a2a_wait_s=self.runner.comm_stats.wait_s)
 
-    def check_health(self, stall_timeout: float = 60.0) -> None:
+    def check_health(self) -> None:
+        stall_timeout = self.config.stall_timeout_s
         if self.error is not None:
             raise RuntimeError(f"engine loop died: {self.error!r}")
         if not self._thread.is_alive():

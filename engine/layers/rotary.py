@@ -15,6 +15,12 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, hf_config, max_positions: int, interleave: bool) -> None:
         super().__init__()
         rope_type = hf_config.rope_parameters.get("rope_type", "default")
+        # tables are built on the host whatever the ambient default device (plans use "meta")
+        with torch.device("cpu"):
+            self._build(hf_config, rope_type, max_positions)
+        self.interleave = interleave
+
+    def _build(self, hf_config, rope_type: str, max_positions: int) -> None:
         if rope_type == "default":
             dim = hf_config.qk_rope_head_dim
             base = hf_config.rope_parameters["rope_theta"]
@@ -26,7 +32,6 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = t[:, None] * inv_freq.float()[None, :]  # [P, dim/2]
         self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
-        self.interleave = interleave
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, ..., dim] at `positions` [T].

@@ -14,6 +14,7 @@ Parameter names equal the checkpoint's, so loading is a name lookup plus the exp
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Iterable
@@ -59,7 +60,7 @@ def yarn_softmax_scale(cfg) -> float:
     if rp.get("rope_type", "default") != "default" and rp.get("mscale_all_dim"):
         factor = rp["factor"]
         if factor > 1:
-            m = 0.1 * rp["mscale_all_dim"] * torch.log(torch.tensor(factor)).item() + 1.0
+            m = 0.1 * rp["mscale_all_dim"] * math.log(factor) + 1.0
             scale *= m * m
     return scale
 
