@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from cluster.rank import EngineFactory, EPRank, RankOptions
@@ -26,6 +26,11 @@ logger = logging.getLogger("ray.serve")
 DEFAULT_HEALTH_CHECK_PERIOD_S = 5.0
 DEFAULT_HEALTH_CHECK_TIMEOUT_S = 10.0
 
+# Called in the rank's process with every routing-stats report and the rank's identity tags
+# (`gang`, `gang_rank`, `rank_replica`): how the serving layer records per-rank metrics without
+# this module importing it. Must be picklable (a module-level function) and cheap.
+RankReportHook = Callable[[Mapping[str, Any], Mapping[str, str]], None]
+
 
 class EPRankDeployment:
     """One rank of one gang. Decorated with `serve.deployment` by `build_rank_app`, so the same
@@ -36,6 +41,7 @@ class EPRankDeployment:
         engine_config: EngineConfig | dict[str, Any],
         rank_options: RankOptions | None = None,
         engine_factory: EngineFactory | None = None,
+        report_hook: RankReportHook | None = None,
     ) -> None:
         from ray import serve
 
@@ -56,6 +62,12 @@ class EPRankDeployment:
                 "cluster.serve_rank.rank_deployment_options"
             )
         self._replica_actor = ctx.replica_id.to_full_id_str()
+        self._report_hook = report_hook
+        self._report_tags = {
+            "gang": str(gang_id),
+            "gang_rank": str(rank),
+            "rank_replica": ctx.replica_id.unique_id,
+        }
         logger.info("EP rank %d/%d of gang %s starting", rank, world_size, gang_id)
         # Rendezvous and model load block for long: keep the replica's event loop free meanwhile.
         self._rank = await asyncio.to_thread(
@@ -99,8 +111,11 @@ class EPRankDeployment:
         self._rank.check_health()
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Load report for the request router. Keys follow `serving.router.rank_routing_stats`
-        (cluster must not import serving): plain numbers, cheap to broadcast."""
+        """Load report for the request router, pulled by the Serve controller every
+        `request_routing_stats_period_s` and broadcast to every handle's router. Keys follow
+        `serving.router.rank_routing_stats` (cluster must not import serving): the `EngineLoad`
+        fields, plus every numeric `EngineStats` field (and `idle_fraction`) as `step_<name>`.
+        The same report goes to the report hook (per-rank metrics)."""
         load = self._rank.load()
         out: dict[str, Any] = {
             "ts": time.time(),
@@ -111,11 +126,20 @@ class EPRankDeployment:
             "kv_usage": float(load.kv_usage),
             "gang_rank": self._rank.rank,
         }
-        stats = getattr(self._rank.engine, "stats", None)
-        if stats is not None:
-            for k, v in dataclasses.asdict(stats()).items():
+        stats_fn = getattr(self._rank.engine, "stats", None)
+        if stats_fn is not None:
+            stats = stats_fn()
+            for k, v in dataclasses.asdict(stats).items():
                 if isinstance(v, (bool, int, float)):
                     out[f"step_{k}"] = v
+            idle = getattr(stats, "idle_fraction", None)
+            if isinstance(idle, (int, float)):
+                out["step_idle_fraction"] = float(idle)
+        if self._report_hook is not None:
+            try:
+                self._report_hook(out, self._report_tags)
+            except Exception:  # metrics must never cost the router its load report
+                logger.exception("rank report hook failed")
         return out
 
     def __del__(self) -> None:
@@ -181,15 +205,17 @@ def build_rank_app(
     *,
     rank_options: RankOptions | None = None,
     engine_factory: EngineFactory | None = None,
+    report_hook: RankReportHook | None = None,
     name: str = "EPRank",
     **serve_options: Any,
 ) -> Any:
     """The bound rank deployment. `serve_options` are Serve deployment options, normally
     `rank_deployment_options(...)` plus the serving layer's router/admission settings; without
-    them the deployment is one gang."""
+    them the deployment is one gang. `report_hook` sees every load report in the rank's process
+    (the serving layer records per-rank metrics with it)."""
     from ray import serve
 
     if not serve_options:
         serve_options = rank_deployment_options(engine_config)
     deployment = serve.deployment(EPRankDeployment, name=name, **serve_options)
-    return deployment.bind(engine_config, rank_options, engine_factory)
+    return deployment.bind(engine_config, rank_options, engine_factory, report_hook)

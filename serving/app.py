@@ -2,7 +2,9 @@
 
 Two deployments: `OpenAIIngress` (FastAPI, HTTP) → the EP-rank deployment from `cluster.serve_rank`
 (gang-scheduled: each gang is one expert-parallel group of `ep_size` rank replicas). The ingress
-calls the ranks through a handle whose request router is `serving.router.LoadPrefixRequestRouter`.
+calls the ranks through a handle whose request router is `serving.router.LoadPrefixRequestRouter`;
+each rank records its own per-rank metrics (`serving.metrics.publish_rank_report`, its report
+hook).
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ def ingress_app(config: ServingConfig, ranks: Application) -> Application:
 def build_app(args: dict[str, Any] | None = None) -> Application:
     config = ServingConfig.from_args(args)
     from cluster.serve_rank import build_rank_app
+    from serving.metrics import publish_rank_report
 
-    ranks = build_rank_app(config.engine, **rank_options(config))
+    ranks = build_rank_app(config.engine, report_hook=publish_rank_report, **rank_options(config))
     return ingress_app(config, ranks)
 
 

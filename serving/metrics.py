@@ -3,14 +3,24 @@
 Exported names get Ray's `ray_` prefix; counters also a `_total` suffix, histograms
 `_bucket/_sum/_count`. E.g. `moe_serve_requests` is scraped as `ray_moe_serve_requests_total`.
 
-Request-level metrics are recorded by the ingress. Per-rank gauges come from the ranks' routing
-stats (`serving.router.rank_routing_stats`), which Serve broadcasts to every handle's router; the
-router in the ingress republishes them, so a rank never has to know about serving metrics.
+Request-level metrics are recorded by the ingress (`ServingMetrics`). Per-rank metrics are
+recorded in each rank's own process (`RankMetrics`), from the same report it gives the request
+router (`record_routing_stats`, pulled by the Serve controller every `router.stats_period_s`):
+the rank deployment calls `publish_rank_report` with it. Publishing there, not in the routers,
+means one series per rank however many ingress replicas (routers) there are, and counters that
+count each engine step once. Per-rank series carry the tags `gang` (gang id), `gang_rank` and
+`rank_replica` (Serve replica id).
+
+The engine's `EngineStats` are cumulative since the engine started; counters advance by the
+difference between consecutive reports. Every `EngineStats` field maps to exactly one named
+metric below (`RANK_STEP_COUNTERS` / `RANK_STEP_GAUGES`; a test keeps them in step with the
+engine).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from ray.util import metrics as rm
@@ -37,17 +47,6 @@ _LATENCY_BOUNDS = [
     120,
     300,
 ]
-_BATCH_BOUNDS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
-
-# step stats (from the engine's `stats()`, reported as `step_<name>`) republished as rank gauges;
-# the gauge is `moe_serve_rank_<name>`.
-RANK_GAUGES: dict[str, str] = {
-    "running_requests": "requests in the rank's running batch",
-    "waiting_requests": "requests waiting in the rank's scheduler queue",
-    "running_tokens": "tokens held by running requests",
-    "waiting_tokens": "prompt tokens of waiting requests",
-    "kv_usage": "fraction of the rank's KV pool in use",
-}
 
 
 class ServingMetrics:
@@ -87,23 +86,15 @@ class ServingMetrics:
         self.running = rm.Gauge(
             PREFIX + "ingress_running_requests", "requests in flight in this ingress", tag_keys=m
         )
-        rank_tags = ("rank_replica", "gang_rank")
-        self.rank = {
-            name: rm.Gauge(PREFIX + "rank_" + name, desc, tag_keys=rank_tags)
-            for name, desc in RANK_GAUGES.items()
-        }
-        # Whatever numeric step statistics the engine reports (forward/schedule/idle time, tokens
-        # per step, batch size, overlap/TBO/SBO activity) as one gauge family keyed by `stat`, so a
-        # new engine counter shows up without a serving release.
-        self.rank_step = rm.Gauge(
-            PREFIX + "rank_step_stat",
-            "engine step statistics per rank (see the `stat` tag)",
-            tag_keys=(*rank_tags, "stat"),
+        # The router's view of each rank: last report + what it routed there since.
+        self.router_outstanding = rm.Gauge(
+            PREFIX + "router_outstanding_tokens",
+            "outstanding tokens the request router attributes to each rank",
+            tag_keys=("rank_replica",),
         )
-        self.batch_size = rm.Histogram(
-            PREFIX + "rank_batch_size",
-            "running batch size seen at each stats report",
-            boundaries=_BATCH_BOUNDS,
+        self.router_reports = rm.Counter(
+            PREFIX + "router_rank_reports",
+            "fresh rank load reports the request router took into account",
             tag_keys=("rank_replica",),
         )
 
@@ -120,18 +111,112 @@ def get_metrics() -> ServingMetrics:
         return _metrics
 
 
-def record_rank_stats(stats_by_replica: dict[str, dict[str, Any]]) -> None:
-    """Publish each rank's last routing-stats report as gauges (tag `rank_replica`)."""
-    m = get_metrics()
-    for replica, stats in stats_by_replica.items():
-        if not stats:
-            continue
-        tags = {"rank_replica": replica, "gang_rank": str(stats.get("gang_rank", ""))}
-        for name, gauge in m.rank.items():
-            if name in stats:
-                gauge.set(float(stats[name]), tags=tags)
-        for key, value in stats.items():
-            if key.startswith("step_") and isinstance(value, (bool, int, float)):
-                m.rank_step.set(float(value), tags={**tags, "stat": key[len("step_") :]})
-        if stats.get("running_requests"):
-            m.batch_size.observe(float(stats["running_requests"]), tags={"rank_replica": replica})
+# ---- per rank (recorded in the rank's process) ----------------------------------------------------
+RANK_TAGS = ("gang", "gang_rank", "rank_replica")
+
+# Load report key -> (metric name after `moe_serve_rank_`, description); gauges.
+RANK_LOAD_GAUGES: dict[str, tuple[str, str]] = {
+    "running_requests": ("running_requests", "requests in the rank's running batch"),
+    "waiting_requests": ("waiting_requests", "requests waiting in the rank's scheduler queue"),
+    "running_tokens": ("running_tokens", "tokens held by running requests"),
+    "waiting_tokens": ("waiting_tokens", "prompt tokens of waiting requests"),
+    "kv_usage": ("kv_usage", "fraction of the rank's KV pool in use"),
+}
+
+# Cumulative `EngineStats` field -> (counter name after `moe_serve_rank_`, description).
+RANK_STEP_COUNTERS: dict[str, tuple[str, str]] = {
+    "steps": ("steps", "engine steps (every rank steps in lockstep, idle or not)"),
+    "prefill_steps": ("prefill_steps", "steps that ran a prefill (extend) batch"),
+    "decode_steps": ("decode_steps", "steps that ran a decode batch"),
+    "idle_steps": ("idle_steps", "zero-token steps run only to join the group's collectives"),
+    "tbo_steps": ("tbo_steps", "steps run as two overlapped micro-batches (TBO)"),
+    "forward_time_s": ("forward_seconds", "time spent in model forwards"),
+    "schedule_time_s": ("schedule_seconds", "time spent scheduling"),
+    "bubble_time_s": ("bubble_seconds", "executor idle gaps between consecutive forwards"),
+    "a2a_wait_s": ("a2a_wait_seconds", "time blocked waiting on MoE all-to-all"),
+    "generated_tokens": ("generated_tokens", "tokens sampled"),
+    "prefill_tokens": ("prefill_tokens", "prompt tokens prefilled (computed, not cached)"),
+    "cached_tokens": ("cached_tokens", "prompt tokens served from the prefix cache"),
+    "retractions": ("retractions", "requests preempted for lack of KV cache"),
+}
+
+# Instantaneous `EngineStats` field or property -> (gauge name after `moe_serve_rank_`, description).
+RANK_STEP_GAUGES: dict[str, tuple[str, str]] = {
+    "overlap": ("overlap_enabled", "1 if the overlap scheduler is on"),
+    "sbo": ("sbo_enabled", "1 if single-batch overlap is on"),
+    "last_batch_size": ("batch_size", "requests in the last step's batch"),
+    "last_step_tokens": ("step_tokens", "tokens in the last step's batch"),
+    "idle_fraction": (
+        "idle_fraction",
+        "bubble share of the executor's busy span since start (EngineStats.idle_fraction)",
+    ),
+}
+
+# Derived per report interval (no EngineStats field of its own).
+TBO_STEP_FRACTION = ("tbo_step_fraction", "share of the last report interval's steps run with TBO")
+
+
+class RankMetrics:
+    """The named metrics of one rank process; `publish` turns one report into metric updates."""
+
+    def __init__(self) -> None:
+        name = PREFIX + "rank_"
+        self.load = {
+            key: rm.Gauge(name + metric, desc, tag_keys=RANK_TAGS)
+            for key, (metric, desc) in RANK_LOAD_GAUGES.items()
+        }
+        self.counters = {
+            key: rm.Counter(name + metric, desc, tag_keys=RANK_TAGS)
+            for key, (metric, desc) in RANK_STEP_COUNTERS.items()
+        }
+        self.gauges = {
+            key: rm.Gauge(name + metric, desc, tag_keys=RANK_TAGS)
+            for key, (metric, desc) in RANK_STEP_GAUGES.items()
+        }
+        self.tbo_fraction = rm.Gauge(
+            name + TBO_STEP_FRACTION[0], TBO_STEP_FRACTION[1], tag_keys=RANK_TAGS
+        )
+        self._last: dict[str, float] = {}  # cumulative field -> value at the previous report
+        self._lock = threading.Lock()
+
+    def publish(self, report: Mapping[str, Any], tags: Mapping[str, str]) -> None:
+        """`report`: a rank's routing-stats dict (load keys, `step_<EngineStats field>`)."""
+        tags = {k: str(tags.get(k, "")) for k in RANK_TAGS}
+        with self._lock:
+            for key, gauge in self.load.items():
+                if key in report:
+                    gauge.set(float(report[key]), tags=tags)
+            deltas: dict[str, float] = {}
+            for key, counter in self.counters.items():
+                value = report.get("step_" + key)
+                if value is None:
+                    continue
+                value = float(value)
+                prev = self._last.get(key, 0.0)
+                # A smaller value means the counters restarted (a new engine): count from zero.
+                deltas[key] = value - prev if value >= prev else value
+                self._last[key] = value
+                if deltas[key] > 0:
+                    counter.inc(deltas[key], tags=tags)
+            for key, gauge in self.gauges.items():
+                value = report.get("step_" + key)
+                if value is not None:
+                    gauge.set(float(value), tags=tags)
+            if "steps" in deltas:
+                steps = deltas["steps"]
+                self.tbo_fraction.set(
+                    deltas.get("tbo_steps", 0.0) / steps if steps > 0 else 0.0, tags=tags
+                )
+
+
+_rank_metrics: RankMetrics | None = None
+
+
+def publish_rank_report(report: Mapping[str, Any], tags: Mapping[str, str]) -> None:
+    """The rank deployment's report hook (`cluster.serve_rank.build_rank_app(report_hook=...)`):
+    runs in the rank's process at every routing-stats report."""
+    global _rank_metrics
+    with _lock:
+        if _rank_metrics is None:
+            _rank_metrics = RankMetrics()
+    _rank_metrics.publish(report, tags)

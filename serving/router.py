@@ -42,7 +42,9 @@ STAT_TIME = "ts"
 def rank_routing_stats(
     load: Any, stats: Any = None, *, gang_rank: int | None = None
 ) -> dict[str, Any]:
-    """The routing-stats dict a rank reports: its `EngineLoad`, plus step stats for the metrics.
+    """The routing-stats dict a rank reports: its `EngineLoad`, plus step stats for the metrics
+    (`step_<EngineStats field>` and `step_idle_fraction`). `cluster.serve_rank.EPRankDeployment`
+    builds the same keys (a test holds the two together).
 
     `stats` is the engine's `stats()` (a dataclass or dict, optional). Values are plain numbers so
     the dict pickles cheaply through the Serve controller's broadcast.
@@ -62,6 +64,9 @@ def rank_routing_stats(
         for k, v in items.items():
             if isinstance(v, (bool, int, float)):
                 out[f"step_{k}"] = v
+        idle = getattr(stats, "idle_fraction", None)
+        if isinstance(idle, (int, float)):
+            out["step_idle_fraction"] = float(idle)
     return out
 
 
@@ -105,8 +110,12 @@ class RoutingPolicy:
             keys.append(h)
         return keys
 
-    def update_report(self, replica: Hashable, outstanding_tokens: int, reported_at: float) -> None:
+    def update_report(self, replica: Hashable, outstanding_tokens: int, reported_at: float) -> bool:
+        """Record a rank's load report; False if it is the one already recorded."""
+        if self._reported.get(replica, (0, None))[1] == reported_at:
+            return False
         self._reported[replica] = (outstanding_tokens, reported_at)
+        return True
 
     def forget_replicas_except(self, live: set[Hashable]) -> None:
         for r in [r for r in self._reported if r not in live]:
@@ -260,6 +269,7 @@ class LoadPrefixRequestRouter(RequestRouter):
             return
         call, keys = entry
         self.policy.on_routed(key, replica_id, call.work_tokens, keys, request_id=call.request_id)
+        self._publish([replica_id])
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
         self._calls.pop(internal_request_id, None)
@@ -267,17 +277,26 @@ class LoadPrefixRequestRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        fresh = []
         for r in replicas:
             stats = r.routing_stats or {}
-            if STAT_TIME in stats:
-                self.policy.update_report(
-                    r.replica_id,
-                    int(stats.get("running_tokens", 0)) + int(stats.get("waiting_tokens", 0)),
-                    float(stats[STAT_TIME]),
-                )
+            if STAT_TIME in stats and self.policy.update_report(
+                r.replica_id,
+                int(stats.get("running_tokens", 0)) + int(stats.get("waiting_tokens", 0)),
+                float(stats[STAT_TIME]),
+            ):
+                fresh.append(r.replica_id)
         self.policy.forget_replicas_except({r.replica_id for r in replicas})
-        # The metrics module is imported lazily: the router also runs in processes (the proxy,
-        # tests) where emitting rank gauges is pointless.
-        from serving.metrics import record_rank_stats
+        self._publish([r.replica_id for r in replicas], fresh)
 
-        record_rank_stats({str(r.replica_id.unique_id): (r.routing_stats or {}) for r in replicas})
+    def _publish(self, replica_ids: Sequence[Any], fresh: Sequence[Any] = ()) -> None:
+        """The router's view per rank: outstanding tokens, and how many load reports it used."""
+        # Lazy import: the metrics module is only needed where a router actually routes.
+        from serving.metrics import get_metrics
+
+        m = get_metrics()
+        for rid in replica_ids:
+            tags = {"rank_replica": str(rid.unique_id)}
+            m.router_outstanding.set(self.policy.outstanding(rid), tags=tags)
+            if rid in fresh:
+                m.router_reports.inc(tags=tags)

@@ -1,11 +1,14 @@
 """The OpenAI HTTP API end to end: a real local Ray + Serve running the app of configs/tiny.yaml
-(one shared app for the module), driven by the official `openai` client and raw httpx."""
+(real engine, one EP group of two CPU ranks; one shared app for the module), driven by the
+official `openai` client and raw httpx. Per-rank state is observed through the ranks' own metrics
+(each rank exports its load report and engine step stats, see `serving.metrics`)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -33,16 +36,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _real_stack_available() -> bool:
-    try:
-        import cluster.serve_rank  # noqa: F401
-
-        import engine.async_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def server() -> Any:
     http_port, metrics_port = _free_port(), _free_port()
@@ -53,26 +46,16 @@ def server() -> Any:
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         _metrics_export_port=metrics_port,
+        # Export every second (default 10 s) so the metric checks below see fresh values quickly.
+        _system_config={"metrics_report_interval_ms": 1000},
         runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
     )
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     args = yaml.safe_load(TINY.read_text())["applications"][0]["args"]
     config = ServingConfig.from_args(args)
-    real = _real_stack_available()
-    if real:
-        from serving.app import build_app
+    from serving.app import build_app
 
-        app = build_app(args)
-    else:  # until the engine and cluster layers land: same ingress, stand-in ranks
-        import standin
-
-        from serving.app import ingress_app, router_config
-
-        ray.cloudpickle.register_pickle_by_value(standin)
-        ranks = standin.StandInRank.options(
-            ray_actor_options={"num_cpus": 0.5}, request_router_config=router_config(config)
-        )
-        app = ingress_app(config, ranks.bind(config.engine))
+    app = build_app(args)
     serve.run(app, name="moe", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{http_port}"
     deadline = time.time() + 300
@@ -93,7 +76,6 @@ def server() -> Any:
         metrics_port=metrics_port,
         tokenizer=load_tokenizer(config.engine),
         config=config,
-        real=real,
     )
     serve.shutdown()
     ray.shutdown()
@@ -184,29 +166,32 @@ def test_stop_string_truncates_and_reports_stop(server: Any) -> None:
 
 
 def test_greedy_output_matches_offline_llm(server: Any) -> None:
-    if not server.real:
-        pytest.skip("engine.async_engine / cluster.serve_rank not available yet")
+    """The served EP2 group (configs/tiny.yaml) produces exactly the offline engine's greedy
+    tokens. The offline side is `LLM` with the same engine settings at ep_size 1 (EP2 == EP1 is
+    proven in tests/cluster; an offline EP2 group would not fit beside the app on 2 CPUs)."""
     from engine import LLM, SamplingParams
 
-    prompt = "class Stack:\n    def push(self, x):"
-    r = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0.0)
-    e = server.config.engine
-    llm = LLM(
-        model=e.model,
-        ep_size=1,
-        dtype=e.dtype,
-        device="cpu",
-        max_model_len=e.max_model_len,
-        seed=e.seed,
-    )
+    prompts = ["class Stack:\n    def push(self, x):", "The capital of France is"]
+    served = [
+        server.client.completions.create(
+            model=MODEL, prompt=p, max_tokens=16, temperature=0.0, extra_body={"ignore_eos": True}
+        )
+        for p in prompts
+    ]
+    engine_args = server.config.engine.model_dump()
+    engine_args.update(ep_size=1, moe_a2a_backend="auto")
+    llm = LLM(**engine_args)
     try:
-        out = llm.generate(
-            prompts=[prompt], sampling_params=SamplingParams(max_tokens=16, temperature=0.0)
-        )[0]
+        outs = llm.generate(
+            prompts=prompts,
+            sampling_params=SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+        )
     finally:
         llm.shutdown()
-    assert r.choices[0].text == out.text
-    assert r.usage.completion_tokens == len(out.token_ids)
+    for r, out in zip(served, outs, strict=True):
+        assert len(out.token_ids) == 16 == r.usage.completion_tokens
+        assert r.choices[0].text == out.text
+        assert r.choices[0].finish_reason == out.finish_reason == "length"
 
 
 def test_bad_requests_get_openai_errors_while_a_stream_completes(server: Any) -> None:
@@ -274,47 +259,137 @@ def test_bad_requests_get_openai_errors_while_a_stream_completes(server: Any) ->
     assert finals[-1] == "length"
 
 
-def test_client_disconnect_is_counted_and_server_keeps_serving(server: Any) -> None:
-    body = {
-        "model": MODEL,
-        "prompt": "def f():",
-        "max_tokens": 200,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=60) as r:
-        for _ in zip(range(3), r.iter_lines(), strict=False):
-            pass  # leave after a few chunks: closing the connection must abort the request
-    r = server.client.completions.create(model=MODEL, prompt="ok", max_tokens=2)
-    assert r.usage.completion_tokens >= 1
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def _scrape(port: int) -> str:
     return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
 
 
+def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample of the metric `name` in Prometheus text format."""
+    out = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m.group(1) == name:
+            out.append((dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))))
+    return out
+
+
+def _per_rank(text: str, name: str) -> dict[str, float]:
+    """Metric value by `gang_rank` (one gang in these tests)."""
+    return {labels["gang_rank"]: v for labels, v in _samples(text, name) if "gang_rank" in labels}
+
+
+def _wait_metrics(
+    port: int, done: Any, what: str, missing: list[str] | None = None, timeout_s: float = 60.0
+) -> str:
+    deadline = time.time() + float(os.environ.get("MOE_TEST_METRICS_WAIT_S", timeout_s))
+    text = ""
+    while time.time() < deadline:
+        text = _scrape(port)
+        if done(text):
+            return text
+        time.sleep(1)
+    pytest.fail(f"metrics never showed {what}; missing: {missing}")
+
+
+def test_client_disconnect_aborts_the_engine_request(server: Any) -> None:
+    """Leaving a stream early aborts the request in the engine: every rank's own load report
+    shows nothing running or waiting, long before the request could have finished, and the
+    ranks generated only a few of its tokens. Then the server keeps serving."""
+    gen = "ray_moe_serve_rank_generated_tokens_total"
+    # Quiet first: both ranks idle and their generated-token totals settled (unchanged across
+    # scrapes further apart than a report + export period), so later changes are ours.
+    totals: list[float] = []
+
+    def quiet(t: str) -> bool:
+        running = _per_rank(t, "ray_moe_serve_rank_running_requests")
+        totals.append(sum(_per_rank(t, gen).values()))
+        time.sleep(2)
+        return len(running) == 2 and not any(running.values()) and totals[-2:] == totals[-1:] * 2
+
+    _wait_metrics(server.metrics_port, quiet, "both ranks idle")
+    generated_before = totals[-1]
+    prompt = "def f():"
+    max_tokens = server.config.engine.max_model_len - len(server.tokenizer.encode(prompt)) - 1
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for _ in zip(range(4), r.iter_lines(), strict=False):
+            pass  # leave after a few chunks: closing the connection must abort the request
+
+    def aborted(t: str) -> bool:
+        running = _per_rank(t, "ray_moe_serve_rank_running_requests")
+        waiting = _per_rank(t, "ray_moe_serve_rank_waiting_requests")
+        # A report taken after our tokens were generated (fresh), with nothing left anywhere.
+        fresh = sum(_per_rank(t, gen).values()) > generated_before
+        return fresh and not any(running.values()) and not any(waiting.values())
+
+    after = _wait_metrics(server.metrics_port, aborted, "the request gone from every rank")
+    generated = sum(_per_rank(after, gen).values()) - generated_before
+    assert 0 < generated < max_tokens // 2, generated  # stopped early, not run to max_tokens
+    r2 = server.client.completions.create(model=MODEL, prompt="ok", max_tokens=2)
+    assert r2.usage.completion_tokens >= 1
+
+
 def test_metrics_exported_after_traffic(server: Any) -> None:
     server.client.completions.create(model=MODEL, prompt="metrics", max_tokens=4, stream=False)
-    want = [
+    request_level = [
         "ray_moe_serve_requests_total",
         "ray_moe_serve_ttft_seconds_bucket",
         "ray_moe_serve_inter_token_latency_seconds_bucket",
         "ray_moe_serve_e2e_latency_seconds_count",
         "ray_moe_serve_prompt_tokens_total",
         "ray_moe_serve_generation_tokens_total",
-        "ray_moe_serve_rank_running_requests",
-        "ray_moe_serve_rank_kv_usage",
-        "ray_moe_serve_rank_step_stat",
     ]
-    deadline = time.time() + float(os.environ.get("MOE_TEST_METRICS_WAIT_S", "60"))
-    missing = want
-    text = ""
-    while time.time() < deadline:
-        text = _scrape(server.metrics_port)
-        missing = [n for n in want if n not in text]
-        if not missing and 'status="499"' in text:
-            break
-        time.sleep(2)
-    assert not missing, missing
+    from serving.metrics import (
+        RANK_LOAD_GAUGES,
+        RANK_STEP_COUNTERS,
+        RANK_STEP_GAUGES,
+        TBO_STEP_FRACTION,
+    )
+
+    rank = "ray_moe_serve_rank_"
+    # Gauges exist for every rank from its first report. Counters appear at their first increment
+    # (Prometheus convention for Ray counters): steps and forward time on every rank (lockstep:
+    # a rank without requests still runs idle steps), the traffic ones at least on the rank(s)
+    # that served; retractions, TBO steps and prefix-cache hits stay absent while zero.
+    per_rank = [rank + m for m, _ in [*RANK_LOAD_GAUGES.values(), *RANK_STEP_GAUGES.values()]]
+    per_rank += [rank + TBO_STEP_FRACTION[0], rank + "steps_total", rank + "forward_seconds_total"]
+    some_rank = [
+        rank + RANK_STEP_COUNTERS[k][0] + "_total"
+        for k in ("prefill_steps", "decode_steps", "generated_tokens", "prefill_tokens")
+    ]
+    missing: list[str] = []
+
+    def ready(t: str) -> bool:
+        missing[:] = [n for n in request_level if not _samples(t, n)]
+        missing.extend(n for n in per_rank if set(_per_rank(t, n)) != {"0", "1"})
+        missing.extend(n for n in some_rank if not any(_per_rank(t, n).values()))
+        if len(_samples(t, "ray_moe_serve_router_rank_reports_total")) < 2:
+            missing.append("ray_moe_serve_router_rank_reports_total")
+        if 'status="499"' not in t:
+            missing.append('status="499"')
+        return not missing
+
+    text = _wait_metrics(server.metrics_port, ready, "every named metric for both ranks", missing)
     assert 'endpoint="completions"' in text and 'status="200"' in text and 'status="400"' in text
     assert 'status="499"' in text  # the disconnect of the previous test
+    # Both ranks step in lockstep and sample tokens; the router used both ranks' reports.
+    steps = _per_rank(text, rank + "steps_total")
+    assert all(v > 0 for v in steps.values()), steps
+    assert all(v > 0 for v in _per_rank(text, rank + "forward_seconds_total").values())
+    assert sum(_per_rank(text, rank + "generated_tokens_total").values()) > 0
+    assert set(_per_rank(text, rank + "overlap_enabled").values()) <= {0.0, 1.0}
+    assert set(_per_rank(text, rank + "sbo_enabled").values()) == {0.0}  # tiny.yaml: SBO off
+    assert all(0.0 <= v <= 1.0 for v in _per_rank(text, rank + "kv_usage").values())
+    assert all(0.0 <= v <= 1.0 for v in _per_rank(text, rank + "idle_fraction").values())
+    replicas = {lb["rank_replica"] for lb, _ in _samples(text, rank + "running_requests")}
+    reports = _samples(text, "ray_moe_serve_router_rank_reports_total")
+    assert {lb["rank_replica"] for lb, _ in reports} == replicas and len(replicas) == 2
+    assert all(v >= 1 for _, v in reports)
+    outstanding = _samples(text, "ray_moe_serve_router_outstanding_tokens")
+    assert {lb["rank_replica"] for lb, _ in outstanding} == replicas
