@@ -73,6 +73,7 @@ class ModelRunner:
             runner_backend = "torch"  # FP8 grouped GEMMs would not keep float32 accuracy
         self.a2a_backend = a2a
         n_micro = 2 if config.enable_two_batch_overlap else 1
+        side = torch.cuda.Stream(self.device) if config.enable_single_batch_overlap and self.device.type == "cuda" else None
         for moe in self.model.moe_layers:
             moe.dispatchers = [make_dispatcher(
                 a2a, num_experts=hf_config.n_routed_experts, hidden_size=hf_config.hidden_size,
@@ -80,6 +81,7 @@ class ModelRunner:
                 deepep_mode=config.deepep_mode, params_dtype=self.dtype) for _ in range(n_micro)]
             moe.runner = make_expert_runner(runner_backend, moe.experts.w13, moe.experts.w2)
             moe.sbo = config.enable_single_batch_overlap
+            moe.alt_stream = side
         if config.enable_single_batch_overlap:
             from engine.sbo import configure_sbo
 

@@ -14,6 +14,7 @@ Parameter names equal the checkpoint's, so loading is a name lookup plus the exp
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
@@ -223,6 +224,7 @@ class MoE(nn.Module):
         self.dispatchers: list[Dispatcher] = []
         self.runner: ExpertRunner | None = None
         self.sbo = False  # single-batch overlap: shared experts inside the communication windows
+        self.alt_stream = None  # CUDA: SBO runs the shared experts on this side stream
 
 
 class CommStats:
@@ -293,23 +295,42 @@ class DecoderLayer(nn.Module):
     def _select_experts(self, mb: MicroBatch) -> None:
         mb.topk_ids, mb.topk_weights = self.mlp.gate(mb.h)
 
+    @contextlib.contextmanager
+    def _side(self):
+        """SBO on CUDA: shared-expert kernels on the side stream, concurrent with communication
+        and the routed GEMMs on the main stream. Elsewhere a no-op."""
+        alt = self.mlp.alt_stream
+        if alt is None:
+            yield
+            return
+        alt.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(alt):
+            yield
+
     def _dispatch_a(self, mb: MicroBatch) -> None:
         self.mlp.dispatchers[mb.index].dispatch_a(mb.h, mb.topk_ids, mb.topk_weights)
         shared = self.mlp.shared_experts
         if self.mlp.sbo and shared is not None:
-            mb.shared_act = F.silu(shared.gate_proj(mb.h)) * shared.up_proj(mb.h)
+            with self._side():
+                mb.shared_act = F.silu(shared.gate_proj(mb.h)) * shared.up_proj(mb.h)
 
     def _experts(self, mb: MicroBatch) -> None:
         disp = self.mlp.dispatchers[mb.index]
         d = _timed_wait(mb, disp.dispatch_b)
         disp.combine_a(self.mlp.runner(d), d)
         if mb.shared_act is not None:
-            mb.shared = self.mlp.shared_experts.down_proj(mb.shared_act)
+            with self._side():
+                mb.shared = self.mlp.shared_experts.down_proj(mb.shared_act)
             mb.shared_act = None
 
     def _combine_b(self, mb: MicroBatch) -> None:
         out = _timed_wait(mb, self.mlp.dispatchers[mb.index].combine_b)
         shared = self.mlp.shared_experts
+        if self.mlp.alt_stream is not None and mb.shared is not None:
+            main = torch.cuda.current_stream()
+            main.wait_stream(self.mlp.alt_stream)
+            mb.shared.record_stream(main)  # allocated on the side stream, consumed on main
+            mb.h.record_stream(self.mlp.alt_stream)  # read on the side stream, freed on main
         if shared is not None:  # without SBO the shared experts run here, after communication
             out = out + (mb.shared if mb.shared is not None else shared(mb.h))
         mb.x = mb.x + out

@@ -1,21 +1,12 @@
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 
 # Ray workers import by module name; make the repo root and this folder (stub_engine) importable
 # in every worker whatever directory pytest was started from.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(os.path.dirname(_HERE))
-_PYTHONPATH = os.pathsep.join([_ROOT, _HERE])
-# Ray's node IP here is the host's outward address; rendezvous stays on loopback in tests.
-LOOPBACK = "127.0.0.1"
-
-
-def ray_runtime_env() -> dict:
-    return {"env_vars": {"PYTHONPATH": _PYTHONPATH}}
+from cluster_testing import _HERE, _ROOT, LOOPBACK, ray_runtime_env  # noqa: F401
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from conftest import LOOPBACK
+from cluster_testing import LOOPBACK
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams

@@ -22,7 +22,7 @@ def test_ranks_to_bundles_keeps_ranks_of_a_node_contiguous():
 def test_two_rank_gang_spreads_over_two_one_cpu_nodes_and_forms_a_group(monkeypatch):
     import ray
     import ray._private.ray_constants as ray_constants
-    from conftest import ray_runtime_env
+    from cluster_testing import ray_runtime_env
     from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     from test_rendezvous import _Member

@@ -7,7 +7,7 @@ import asyncio
 import time
 
 import pytest
-from conftest import LOOPBACK
+from cluster_testing import LOOPBACK
 
 from engine.config import EngineConfig
 
