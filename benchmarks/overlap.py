@@ -44,6 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--large-requests", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", default="overlap.json")
     args = ap.parse_args()
     rng = random.Random(0)
@@ -62,9 +63,9 @@ def main() -> None:
             num_experts_per_tok=4, n_group=4, topk_group=2)
         workloads = {
             "overhead-bound (tiny-dsv3)": ("tiny-dsv3", [[rng.randrange(3, 2000) for _ in range(rng.randrange(8, 32))]
-                                                         for _ in range(args.requests)], 32),
+                                                         for _ in range(args.requests)], args.max_tokens),
             "compute-bound (hidden 1024)": (str(large), [[rng.randrange(3, 2000) for _ in range(rng.randrange(32, 128))]
-                                                         for _ in range(args.large_requests)], 32),
+                                                         for _ in range(args.large_requests)], args.max_tokens),
         }
         for name, (model, prompts, mt) in workloads.items():
             off = run(model, prompts, mt, False, kv_cache_tokens=65536, max_running_requests=256)
