@@ -13,6 +13,7 @@ while the engine had work (the "bubble" the overlap loop exists to remove).
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -115,6 +116,11 @@ class ThreadExecutor:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.stats = ExecutorStats()
         self._cuda = _CudaCopier(device) if device.type == "cuda" else None
+        # The worker gives up the GIL at every host sync inside a forward; with the default 5 ms
+        # switch interval the scheduler thread may then hold it that long while the device idles.
+        # A short interval bounds that stall (the scheduler thread's work is what overlaps).
+        if self._cuda is not None:  # on CPU the forward's own tensor work releases the GIL anyway
+            sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
         self._thread = threading.Thread(target=self._work, name="forward-executor", daemon=True)
         self._thread.start()
 
