@@ -78,7 +78,6 @@ def test_dsv3_gang_fits_exactly_two_simulated_8_gpu_nodes(monkeypatch: pytest.Mo
 
     # Keep the simulated cluster on 127.0.0.1 (see tests/cluster/test_placement.py).
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a private throwaway cluster
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
