@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 
@@ -197,3 +198,45 @@ def test_bad_model_names():
         LLM(model="no-such-model")
     with pytest.raises(ValueError):
         LLM(model="tiny-dsv3", page_size=0)
+
+
+def test_kv_capacity_from_memory_budget():
+    from engine.mem.pool import MLATokenPool
+
+    llm = LLM(model="tiny-dsv3", kv_cache_memory_bytes=4 << 20, page_size=16)
+    try:
+        hf = llm.engine.hf_config
+        per_token = MLATokenPool.bytes_per_token(hf.num_hidden_layers, hf.kv_lora_rank, hf.qk_rope_head_dim, torch.float32)
+        expect = -(-((4 << 20) // per_token) // 16) * 16
+        assert llm.engine.kv_capacity_tokens == expect
+        assert llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=4))[0].finish_reason
+    finally:
+        llm.shutdown()
+
+
+def test_priority_policy_admits_lower_priority_value_first():
+    """One request at a time (max_running_requests=1): completion order follows priority, then arrival."""
+    import threading
+
+    llm = LLM(model="tiny-dsv3", kv_cache_tokens=4096, max_running_requests=1, schedule_policy="priority")
+    try:
+        order, lock, done, started = [], threading.Lock(), threading.Event(), threading.Event()
+
+        def cb(out):
+            started.set()
+            if out.finished:
+                with lock:
+                    order.append(out.request_id)
+                    if len(order) == 4:
+                        done.set()
+
+        eng = llm.engine
+        # the first request occupies the engine while the others queue behind it
+        eng.add_request([1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True), cb, "first")
+        assert started.wait(30)
+        for rid, prio in [("low", 5), ("high", -1), ("mid", 0)]:
+            eng.add_request([4, 5, 6], SamplingParams(max_tokens=2, ignore_eos=True, priority=prio), cb, rid)
+        assert done.wait(60)
+    finally:
+        llm.shutdown()
+    assert order == ["first", "high", "mid", "low"]
