@@ -16,8 +16,8 @@ from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.mem.pool import MLATokenPool
 from engine.models.deepseek_v3 import CommStats, DeepseekV3ForCausalLM
-from engine.models.loader import iter_checkpoint_tensors
-from engine.moe.factory import make_dispatcher, make_expert_runner
+from engine.models.loader import checkpoint_is_fp8, iter_checkpoint_tensors
+from engine.moe.factory import make_dispatcher, make_expert_runner, resolve_runner_backend
 from engine.parallel import ParallelContext
 from engine.sampler import sample
 from engine.tbo import DELTA_STAGES
@@ -55,22 +55,29 @@ class ModelRunner:
         self.parallel = parallel
         self.device = torch.device(config.resolved_device)
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+        runner_backend = config.moe_runner_backend
+        if runner_backend == "auto" and self.dtype == torch.float32:
+            runner_backend = "torch"  # FP8 grouped GEMMs would not keep float32 accuracy
+        runner_backend = resolve_runner_backend(runner_backend)
+        # an FP8 checkpoint run by the FP8 expert runner keeps its expert weights as stored
+        keep_fp8 = runner_backend == "deep_gemm" and checkpoint_is_fp8(model_path)
         t0 = time.time()
         with torch.device("cpu"):
             model = DeepseekV3ForCausalLM(hf_config, max_positions=max_model_len + 1,
                                           rank=parallel.rank, world_size=parallel.world_size)
+        if keep_fp8:
+            for moe in model.moe_layers:
+                moe.experts.keep_fp8()
         model.load_weights(iter_checkpoint_tensors(model_path, dtype=torch.float32,
                                                    num_hidden_layers=hf_config.num_hidden_layers,
-                                                   want=model.wants))
-        for p in model.parameters():  # buffers (rope tables, gate bias) stay float32
-            p.data = p.data.to(self.dtype)
+                                                   want=model.wants, keep_fp8=keep_fp8))
+        for name, p in model.named_parameters():  # buffers (rope tables, gate bias) stay float32
+            if p.dtype != torch.float8_e4m3fn and not name.endswith("_scale"):
+                p.data = p.data.to(self.dtype)
         self.model = model.to(self.device).eval()
         logger.info("rank %d loaded %s in %.1fs (experts %s)", parallel.rank, model_path,
                     time.time() - t0, model.expert_range)
         a2a = config.resolved_a2a_backend
-        runner_backend = config.moe_runner_backend
-        if runner_backend == "auto" and self.dtype == torch.float32:
-            runner_backend = "torch"  # FP8 grouped GEMMs would not keep float32 accuracy
         self.a2a_backend = a2a
         n_micro = 2 if config.enable_two_batch_overlap else 1
         side = torch.cuda.Stream(self.device) if config.enable_single_batch_overlap and self.device.type == "cuda" else None
@@ -79,7 +86,8 @@ class ModelRunner:
                 a2a, num_experts=hf_config.n_routed_experts, hidden_size=hf_config.hidden_size,
                 ep_group=parallel.ep_group, rank=parallel.rank, world_size=parallel.world_size,
                 deepep_mode=config.deepep_mode, params_dtype=self.dtype) for _ in range(n_micro)]
-            moe.runner = make_expert_runner(runner_backend, moe.experts.w13, moe.experts.w2)
+            ex = moe.experts
+            moe.runner = make_expert_runner(runner_backend, ex.w13, ex.w2, w13_scale=ex.w13_scale, w2_scale=ex.w2_scale)
             moe.sbo = config.enable_single_batch_overlap
             moe.alt_stream = side
         if config.enable_single_batch_overlap:

@@ -173,39 +173,66 @@ class TopkRouter(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """This rank's routed experts as fused tensors; knows which checkpoint experts belong here."""
+    """This rank's routed experts as fused tensors; knows which checkpoint experts belong here.
 
-    _NAME = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    `w13` [E_local, 2I, H] holds gate rows then up rows, `w2` [E_local, H, I]. With
+    `keep_fp8()` (an FP8 checkpoint run by an FP8 expert runner) the weights stay in the
+    checkpoint's float8_e4m3fn with their 128x128 block scales `w13_scale`/`w2_scale`, as loaded.
+    """
+
+    _NAME = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
+    _PROJ = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, cfg, expert_range: tuple[int, int]) -> None:
         super().__init__()
         self.expert_range = expert_range
         n = expert_range[1] - expert_range[0]
         inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
-        self.inter = inter
-        self.w13 = nn.Parameter(torch.empty(n, 2 * inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(n, hidden, inter))
+        self.inter, self.hidden = inter, hidden
+        self.w13 = nn.Parameter(torch.empty(n, 2 * inter, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n, hidden, inter), requires_grad=False)
+        self.w13_scale: nn.Parameter | None = None
+        self.w2_scale: nn.Parameter | None = None
         self.loaded = torch.zeros(n, 3, dtype=torch.bool)
+
+    def keep_fp8(self, block: int = 128) -> None:
+        if self.inter % block:
+            raise ValueError(f"FP8 experts need moe_intermediate_size divisible by {block} "
+                             "(gate and up scales are stacked)")
+        n, cdiv = self.w13.shape[0], lambda a: -(-a // block)
+        fp8 = torch.float8_e4m3fn
+        self.w13 = nn.Parameter(torch.empty(n, 2 * self.inter, self.hidden, dtype=fp8), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n, self.hidden, self.inter, dtype=fp8), requires_grad=False)
+        self.w13_scale = nn.Parameter(torch.empty(n, 2 * cdiv(self.inter), cdiv(self.hidden)), requires_grad=False)
+        self.w2_scale = nn.Parameter(torch.empty(n, cdiv(self.hidden), cdiv(self.inter)), requires_grad=False)
+        self.loaded = torch.zeros(n, 6, dtype=torch.bool)
 
     def owns(self, global_expert: int) -> bool:
         return self.expert_range[0] <= global_expert < self.expert_range[1]
 
     def load(self, suffix: str, tensor: torch.Tensor) -> bool:
-        """Load `experts.{j}.{proj}.weight`; False if it is not an expert tensor of this layer."""
+        """Load `experts.{j}.{proj}.weight[_scale_inv]`; False if it is not an expert tensor."""
         m = self._NAME.search(suffix)
         if m is None:
             return False
-        j, proj = int(m.group(1)), m.group(2)
+        j, proj, kind = int(m.group(1)), m.group(2), m.group(3)
         if not self.owns(j):
             raise ValueError(f"expert {j} does not belong to range {self.expert_range}")
         e = j - self.expert_range[0]
-        if proj == "gate_proj":
-            self.w13.data[e, : self.inter].copy_(tensor)
-        elif proj == "up_proj":
-            self.w13.data[e, self.inter :].copy_(tensor)
+        is_scale = kind == "weight_scale_inv"
+        if is_scale and self.w13_scale is None:
+            raise ValueError(f"unexpected FP8 scale {suffix!r} for experts kept in {self.w13.dtype}")
+        if is_scale:
+            w13, w2, half = self.w13_scale, self.w2_scale, self.w13_scale.shape[1] // 2
         else:
-            self.w2.data[e].copy_(tensor)
-        self.loaded[e, ("gate_proj", "up_proj", "down_proj").index(proj)] = True
+            w13, w2, half = self.w13, self.w2, self.inter
+        if proj == "gate_proj":
+            w13.data[e, :half].copy_(tensor)
+        elif proj == "up_proj":
+            w13.data[e, half:].copy_(tensor)
+        else:
+            w2.data[e].copy_(tensor)
+        self.loaded[e, self._PROJ.index(proj) + (3 if is_scale else 0)] = True
         return True
 
 
@@ -409,15 +436,29 @@ class DeepseekV3ForCausalLM(nn.Module):
         return True
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into place. Routed experts go through their own loader; any
+        other FP8 weight arriving with its block scale (checkpoints read with keep_fp8) is
+        dequantized here, once both halves have arrived."""
+        from engine.models.loader import dequantize_fp8_blockwise
+
         params = dict(self.named_parameters())
         buffers = dict(self.named_buffers())
         seen: set[str] = set()
+        fp8_pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in tensors:
             m = self._EXPERT.match(name)
             if m is not None:
                 layer = self.model.layers[int(m.group(1))]
                 layer.mlp.experts.load(name, t)
                 continue
+            if name.endswith(".weight_scale_inv") or t.dtype == torch.float8_e4m3fn:
+                base = name.removesuffix("_scale_inv")
+                part = fp8_pending.setdefault(base, {})
+                part["scale" if name.endswith("_scale_inv") else "weight"] = t
+                if len(part) < 2:
+                    continue
+                name, t = base, dequantize_fp8_blockwise(part["weight"], part["scale"])
+                del fp8_pending[base]
             target = params.get(name)
             if target is None:
                 target = buffers.get(name)
@@ -427,6 +468,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                 raise ValueError(f"model: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(target.shape)}")
             target.data.copy_(t)
             seen.add(name)
+        if fp8_pending:
+            raise ValueError(f"model: FP8 weights without their scales: {sorted(fp8_pending)[:5]}")
         missing = [n for n in params if n not in seen and ".experts.w" not in n]
         missing += [n for n in buffers if n.endswith("e_score_correction_bias") and n not in seen]
         for moe in self.moe_layers:

@@ -1,0 +1,78 @@
+"""An FP8 block-quantized checkpoint (the official DeepSeek-V3 format) served two ways:
+dequantized on load for the torch runner, and with the routed experts kept in FP8 exactly as
+stored for the deep_gemm runner (run here through the DeepGEMM stand-in)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import fake_deep_gemm
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.moe.fp8 import quantize_per_block
+from tests.helpers import make_random_dsv3_checkpoint
+
+SKIP_QUANT = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight")
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    src = make_random_dsv3_checkpoint(root / "bf", seed=5, hidden_size=128, intermediate_size=256,
+                                      moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
+                                      n_group=2, topk_group=1, num_hidden_layers=2)
+    out = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if t.dim() == 2 and not any(k in name for k in SKIP_QUANT):
+            q, s = quantize_per_block(t)
+            out[name], out[name + "_scale_inv"] = q, s
+        else:
+            out[name] = t
+    dst = root / "fp8"
+    dst.mkdir()
+    save_file(out, dst / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst, out
+
+
+def _prompt_logprobs(llm, prompts):
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=True))
+    return [o.prompt_logprobs[1:] for o in outs]
+
+
+def test_fp8_experts_kept_as_stored_and_close_to_dequantized(fp8_checkpoint, monkeypatch):
+    path, tensors = fp8_checkpoint
+    prompts = [[5, 9, 200, 31, 77, 4, 18, 3], [100, 101, 102]]
+    llm = LLM(model=str(path), kv_cache_tokens=1024)
+    try:
+        ref = _prompt_logprobs(llm, prompts)
+        assert llm.engine.model.moe_layers[0].experts.w13.dtype == torch.float32  # dequantized
+    finally:
+        llm.shutdown()
+
+    monkeypatch.setitem(sys.modules, "deep_gemm", fake_deep_gemm.make_module())
+    llm = LLM(model=str(path), kv_cache_tokens=1024, moe_runner_backend="deep_gemm")
+    try:
+        ex = llm.engine.model.model.layers[1].mlp.experts
+        assert ex.w13.dtype == torch.float8_e4m3fn
+        # byte-for-byte the checkpoint's FP8 weights and scales (gate rows, then up rows)
+        gate = tensors["model.layers.1.mlp.experts.2.gate_proj.weight"]
+        up = tensors["model.layers.1.mlp.experts.2.up_proj.weight"]
+        assert torch.equal(ex.w13[2].view(torch.uint8), torch.cat([gate, up]).view(torch.uint8))
+        assert torch.equal(ex.w2_scale[2], tensors["model.layers.1.mlp.experts.2.down_proj.weight_scale_inv"])
+        got = _prompt_logprobs(llm, prompts)
+    finally:
+        llm.shutdown()
+    # FP8 activations and bf16 GEMM outputs: close to, not equal to, the dequantized float32 run
+    for a, b in zip(ref, got):
+        assert 0 < max(abs(x - y) for x, y in zip(a, b)) < 0.1
