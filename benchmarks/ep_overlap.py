@@ -28,8 +28,22 @@ def main() -> None:
     ap.add_argument("--delay-ms", type=float, default=2.0)
     ap.add_argument("--decode-requests", type=int, default=64)
     ap.add_argument("--prefill-requests", type=int, default=16)
+    ap.add_argument("--model", default="tiny-dsv3",
+                    help="tiny-dsv3, or 'large' for a random checkpoint with hidden 1024 (more compute per stage)")
     ap.add_argument("--out", default="ep_overlap.json")
     args = ap.parse_args()
+    model = args.model
+    if model == "large":
+        import tempfile
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.helpers import make_random_dsv3_checkpoint
+
+        model = str(make_random_dsv3_checkpoint(
+            Path(tempfile.mkdtemp()) / "large", hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
+            num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384,
+            kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=16,
+            num_experts_per_tok=4, n_group=4, topk_group=2))
     rng = random.Random(0)
     workloads = {
         "decode": [([rng.randrange(3, 2000) for _ in range(4)], 32) for _ in range(args.decode_requests)],
@@ -39,7 +53,7 @@ def main() -> None:
     results = {}
     for wname, reqs in workloads.items():
         for mname, flags in MODES.items():
-            kw = dict(model="tiny-dsv3", ep_size=2, kv_cache_tokens=32768, moe_a2a_backend="torch",
+            kw = dict(model=model, ep_size=2, kv_cache_tokens=32768, moe_a2a_backend="torch",
                       enable_overlap_schedule=False, chunked_prefill_size=1024, **flags)
             res = run_group(2, kw, reqs, delay_ms=args.delay_ms)
             steps = max(r["steps"] for r in res)
@@ -50,7 +64,7 @@ def main() -> None:
                 "tbo_steps": max(r["tbo_steps"] for r in res),
                 "wall_s": max(r["wall_s"] for r in res),
             }
-    print(f"delay per all-to-all: {args.delay_ms} ms")
+    print(f"model: {args.model}, delay per all-to-all: {args.delay_ms} ms")
     print(f"{'workload':<9}{'mode':<9}{'step ms':>9}{'blocked ms':>12}{'hidden':>8}{'speedup':>9}{'tbo steps':>11}")
     out = []
     for (wname, mname), r in results.items():
