@@ -280,7 +280,7 @@ class Engine:
             return None
         if step is None:
             fb = idle_batch()
-            step = ScheduledBatch(ForwardMode.IDLE, [], [], [], [], [], [], fb)
+            step = ScheduledBatch(ForwardMode.IDLE, [], [], [], [], [], fb)
         fb.global_num_tokens = [h.num_tokens for h in headers]
         fb.can_run_tbo = self.lockstep.can_run_tbo(headers)
         if fb.can_run_tbo:

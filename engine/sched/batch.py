@@ -18,7 +18,6 @@ class ScheduledBatch:
     mode: ForwardMode
     reqs: list[Req]
     epochs: list[int]
-    extend_lens: list[int]  # new tokens per request (1 for decode)
     sample_mask: list[bool]
     future_ids: list[int]  # negative FutureMap ids of the sampled tokens
     prompt_logprob_lens: list[int]  # per request: prompt-logprob targets computed this step

@@ -195,7 +195,7 @@ class Scheduler:
             # a single request that outgrew the whole pool
             r = reqs.pop()
             r.finish("abort", error="KV cache too small for this request's length")
-            self._emit(r, [])
+            r.on_output(r.make_output([]))
             self._release(r)
             return None
         for r in reqs:
@@ -236,7 +236,7 @@ class Scheduler:
                 if r.state != ReqState.RUNNING:
                     r.state = ReqState.RUNNING
                     self.running.append(r)
-        return ScheduledBatch(mode=mode, reqs=reqs, epochs=[r.epoch for r in reqs], extend_lens=lens,
+        return ScheduledBatch(mode=mode, reqs=reqs, epochs=[r.epoch for r in reqs],
                               sample_mask=fb.sample_mask, future_ids=[-f for f in futures],
                               prompt_logprob_lens=plp_lens, forward=fb)
 
@@ -265,9 +265,6 @@ class Scheduler:
             if req.finished:
                 self._release(req)
         return outs
-
-    def _emit(self, req: Req, toks: list[int]) -> None:
-        req.on_output(req.make_output(toks))
 
     # ---------------------------------------------------------------- freeing
     def _free_kv(self, req: Req) -> None:
