@@ -39,11 +39,14 @@ class ExecutorStats:
     forward_time: float = 0.0
     bubble_time: float = 0.0  # worker idle between steps while work was pending
     _last_end: float | None = None
+    _idle_mark: float = 0.0
 
-    def record(self, start: float, end: float, engine_idle_since_last: float) -> None:
+    def record(self, start: float, end: float, engine_idle_total: float) -> None:
+        """One step ran from `start` to `end`; `engine_idle_total` is the engine's running total
+        of time blocked with nothing to do, which does not count as a bubble."""
         if self._last_end is not None:
-            self.bubble_time += max(0.0, start - self._last_end - engine_idle_since_last)
-        self._last_end = end
+            self.bubble_time += max(0.0, start - self._last_end - (engine_idle_total - self._idle_mark))
+        self._last_end, self._idle_mark = end, engine_idle_total
         self.steps += 1
         self.forward_time += end - start
 
@@ -78,44 +81,49 @@ def _to_host(out: ForwardOutput) -> HostOutput:
     return HostOutput(*[t.tolist() if t is not None else None for t in (out.next_ids, out.logprobs, out.prompt_logprobs)])
 
 
-class InlineExecutor:
-    """Runs each step synchronously at launch (the normal loop)."""
+class _Executor:
+    """Runs a step, timing it, and settles its future; subclasses decide where it runs."""
 
-    def __init__(self, forward: Callable[[ForwardBatch], ForwardOutput], idle_clock: Callable[[], float]) -> None:
+    def __init__(self, forward: Callable[[ForwardBatch], ForwardOutput], idle_clock: Callable[[], float],
+                 cuda: _CudaCopier | None = None) -> None:
         self._forward = forward
         self._idle_clock = idle_clock
+        self._cuda = cuda
         self.stats = ExecutorStats()
-        self._idle_mark = 0.0
 
-    def launch(self, fb: ForwardBatch) -> Future:
-        fut: Future = Future()
+    def _run(self, fb: ForwardBatch, fut: Future) -> None:
         start = time.perf_counter()
         try:
-            out = _to_host(self._forward(fb))
+            if self._cuda is not None:
+                out = self._cuda.run(lambda: self._forward(fb))
+            else:
+                out = _to_host(self._forward(fb))
         except BaseException as e:  # surfaced to the loop through the future
             fut.set_exception(e)
-            return fut
-        idle = self._idle_clock()
-        self.stats.record(start, time.perf_counter(), idle - self._idle_mark)
-        self._idle_mark = idle
+            return
+        self.stats.record(start, time.perf_counter(), self._idle_clock())
         fut.set_result(out)
-        return fut
 
     def shutdown(self) -> None:
         pass
 
 
-class ThreadExecutor:
+class InlineExecutor(_Executor):
+    """Runs each step synchronously at launch (the normal loop)."""
+
+    def launch(self, fb: ForwardBatch) -> Future:
+        fut: Future = Future()
+        self._run(fb, fut)
+        return fut
+
+
+class ThreadExecutor(_Executor):
     """Runs launched steps in order on a worker thread (own CUDA stream when on GPU)."""
 
     def __init__(self, forward: Callable[[ForwardBatch], ForwardOutput], device: torch.device,
                  idle_clock: Callable[[], float]) -> None:
-        self._forward = forward
-        self._idle_clock = idle_clock
-        self._idle_mark = 0.0
+        super().__init__(forward, idle_clock, _CudaCopier(device) if device.type == "cuda" else None)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.stats = ExecutorStats()
-        self._cuda = _CudaCopier(device) if device.type == "cuda" else None
         # The worker gives up the GIL at every host sync inside a forward; with the default 5 ms
         # switch interval the scheduler thread may then hold it that long while the device idles.
         # A short interval bounds that stall (the scheduler thread's work is what overlaps).
@@ -131,24 +139,8 @@ class ThreadExecutor:
 
     def _work(self) -> None:
         torch.set_grad_enabled(False)
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fb, fut = item
-            start = time.perf_counter()
-            try:
-                if self._cuda is not None:
-                    out = self._cuda.run(lambda fb=fb: self._forward(fb))
-                else:
-                    out = _to_host(self._forward(fb))
-            except BaseException as e:
-                fut.set_exception(e)
-                continue
-            idle = self._idle_clock()
-            self.stats.record(start, time.perf_counter(), idle - self._idle_mark)
-            self._idle_mark = idle
-            fut.set_result(out)
+        while (item := self._queue.get()) is not None:
+            self._run(*item)
 
     def shutdown(self) -> None:
         self._queue.put(None)
