@@ -13,16 +13,16 @@ import torch
 from engine.forward_batch import SamplingInfo
 
 
-def _noise(shape_v: int, seeds: list[int | None], output_index: list[int], device, fallback: torch.Generator) -> torch.Tensor:
-    rows = []
-    for seed, idx in zip(seeds, output_index):
-        if seed is None:
-            g = fallback
-        else:
+def _noise(vocab: int, seeds: list[int | None], output_index: list[int], device, fallback: torch.Generator) -> torch.Tensor:
+    """Exp(1) noise [B, vocab]: unseeded rows in one draw from the engine generator, seeded rows
+    each from a generator keyed by (seed, output index)."""
+    e = torch.empty(len(seeds), vocab, dtype=torch.float32).exponential_(generator=fallback)
+    for row, (seed, idx) in enumerate(zip(seeds, output_index)):
+        if seed is not None:
             g = torch.Generator(device="cpu")
             g.manual_seed((seed * 1_000_003 + idx) & 0x7FFF_FFFF_FFFF_FFFF)
-        rows.append(torch.empty(shape_v, dtype=torch.float32).exponential_(generator=g))
-    return torch.stack(rows).to(device)
+            e[row].exponential_(generator=g)
+    return e.to(device)
 
 
 def sample(logits: torch.Tensor, info: SamplingInfo, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
