@@ -39,6 +39,9 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     schedule_policy: Literal["fcfs", "priority"] = "fcfs"
     seed: int = 0
+    cpu_threads: int | None = Field(None, ge=1, description=(
+        "intra-op threads of the CPU forward; default: one for models whose expert GEMMs are too "
+        "small to split, the process's torch thread count otherwise"))
     stall_timeout_s: float = Field(60.0, gt=0, description="health fails after this long without progress while work is pending")
 
     @property
