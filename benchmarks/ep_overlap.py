@@ -26,8 +26,10 @@ MODES = {"off": {}, "sbo": {"enable_single_batch_overlap": True}, "tbo": {"enabl
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--delay-ms", type=float, default=2.0)
-    ap.add_argument("--decode-requests", type=int, default=64)
-    ap.add_argument("--prefill-requests", type=int, default=16)
+    ap.add_argument("--decode-requests", default="64,512",
+                    help="comma-separated decode batch sizes (requests over both ranks)")
+    ap.add_argument("--prefill-requests", type=int, default=64)
+    ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--model", default="tiny-dsv3",
                     help="tiny-dsv3, or 'large' for a random checkpoint with hidden 1024 (more compute per stage)")
     ap.add_argument("--out", default="ep_overlap.json")
@@ -45,15 +47,18 @@ def main() -> None:
             kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=16,
             num_experts_per_tok=4, n_group=4, topk_group=2))
     rng = random.Random(0)
-    workloads = {
-        "decode": [([rng.randrange(3, 2000) for _ in range(4)], 32) for _ in range(args.decode_requests)],
-        "prefill": [([rng.randrange(3, 2000) for _ in range(rng.randrange(200, 400))], 1)
-                    for _ in range(args.prefill_requests)],
-    }
+    workloads = {f"decode {n}": [([rng.randrange(3, 2000) for _ in range(4)], 32) for _ in range(n)]
+                 for n in map(int, args.decode_requests.split(","))}
+    workloads[f"prefill {args.prefill_requests}"] = [
+        ([rng.randrange(3, 2000) for _ in range(rng.randrange(200, 400))], 1) for _ in range(args.prefill_requests)]
+    modes = args.modes.split(",")
+    if "off" not in modes:
+        modes.insert(0, "off")  # the baseline every row is compared with
     results = {}
     for wname, reqs in workloads.items():
-        for mname, flags in MODES.items():
-            kw = dict(model=model, ep_size=2, kv_cache_tokens=32768, moe_a2a_backend="torch",
+        for mname in modes:
+            flags = MODES[mname]
+            kw = dict(model=model, ep_size=2, kv_cache_tokens=65536, moe_a2a_backend="torch",
                       enable_overlap_schedule=False, chunked_prefill_size=1024, **flags)
             res = run_group(2, kw, reqs, delay_ms=args.delay_ms)
             steps = max(r["steps"] for r in res)
@@ -65,13 +70,13 @@ def main() -> None:
                 "wall_s": max(r["wall_s"] for r in res),
             }
     print(f"model: {args.model}, delay per all-to-all: {args.delay_ms} ms")
-    print(f"{'workload':<9}{'mode':<9}{'step ms':>9}{'blocked ms':>12}{'hidden':>8}{'speedup':>9}{'tbo steps':>11}")
+    print(f"{'workload':<13}{'mode':<9}{'step ms':>9}{'blocked ms':>12}{'hidden':>8}{'speedup':>9}{'tbo steps':>11}")
     out = []
     for (wname, mname), r in results.items():
         base = results[(wname, "off")]
         hidden = 1 - r["blocked_ms_per_step"] / base["blocked_ms_per_step"] if base["blocked_ms_per_step"] else 0.0
         speedup = base["step_ms"] / r["step_ms"]
-        print(f"{wname:<9}{mname:<9}{r['step_ms']:>9.2f}{r['blocked_ms_per_step']:>12.2f}{hidden:>8.0%}"
+        print(f"{wname:<13}{mname:<9}{r['step_ms']:>9.2f}{r['blocked_ms_per_step']:>12.2f}{hidden:>8.0%}"
               f"{speedup:>9.2f}{r['tbo_steps']:>11}")
         out.append({"workload": wname, "mode": mname, "hidden_fraction": hidden, "speedup": speedup, **r})
     with open(args.out, "w") as f:

@@ -135,10 +135,7 @@ class ModelRunner:
         fb.input_ids = self.futures.resolve(fb.input_ids)
         self._set_deepep_mode(fb.forward_mode)
         if fb.tbo_children is not None:
-            a, b = fb.tbo_children
-            t = a.num_tokens
-            a.input_ids, b.input_ids = fb.input_ids[:t], fb.input_ids[t:]
-            hidden = self.model.hidden_states_tbo(a, b, DELTA_STAGES[fb.forward_mode], self.comm_stats)
+            hidden = self.model.hidden_states_tbo(fb, DELTA_STAGES[fb.forward_mode], self.comm_stats)
         else:
             hidden = self.model.hidden_states(fb, self.comm_stats)
         if fb.forward_mode == ForwardMode.IDLE or fb.batch_size == 0:

@@ -11,7 +11,8 @@ Splits (host side, after all ranks agreed that TBO runs this step):
     its first part ends micro-batch A, its second part (prefix grown by the first part's length,
     positions continuing) starts micro-batch B.
 Micro-batches are contiguous token ranges [0, t) and [t, T) of the step, so merging their outputs
-back into the original order is a concatenation.
+back into the original order is a concatenation. Dense layers run unsplit on the whole batch; the
+split starts at the first MoE layer.
 """
 
 from __future__ import annotations

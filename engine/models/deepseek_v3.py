@@ -254,6 +254,9 @@ class MoE(nn.Module):
         self.alt_stream = None  # CUDA: SBO runs the shared experts on this side stream
 
 
+YIELD = object()  # in an operation list: the end of a stage, where the other micro-batch may run
+
+
 class CommStats:
     """Time spent blocked in the `*_b` (wait) halves of the MoE all-to-all."""
 
@@ -267,10 +270,11 @@ class MicroBatch:
     """State of one micro-batch flowing through the layers' stages (TBO runs two of these)."""
 
     __slots__ = ("fb", "index", "x", "residual", "h", "q_nope", "q_pe", "topk_ids", "topk_weights",
-                 "shared", "shared_act", "stats")
+                 "shared", "shared_act", "stats", "tbo")
 
-    def __init__(self, fb: ForwardBatch, index: int, x: torch.Tensor, stats: CommStats | None = None) -> None:
-        self.fb, self.index, self.x, self.stats = fb, index, x, stats
+    def __init__(self, fb: ForwardBatch, index: int, x: torch.Tensor, stats: CommStats | None = None,
+                 tbo: bool = False) -> None:
+        self.fb, self.index, self.x, self.stats, self.tbo = fb, index, x, stats, tbo
         self.residual = self.h = self.q_nope = self.q_pe = None
         self.topk_ids = self.topk_weights = self.shared = self.shared_act = None
 
@@ -285,13 +289,18 @@ def _timed_wait(mb: MicroBatch, fn):
 
 
 class DecoderLayer(nn.Module):
-    """A decoder layer as a list of stages; TBO interleaves two micro-batches' stage lists.
+    """A decoder layer as a list of operations with yield points; TBO interleaves two
+    micro-batches' stages (the runs of operations between yields, across layers).
 
-    MoE layer, decode (B lags A by 2 stages; each boundary is a yield point):
-      attn prepare | attn core + expert selection | dispatch launch (+ shared up half under SBO)
-      | dispatch wait + experts + combine launch (+ shared down half under SBO) | combine wait
-    MoE layer, extend (B lags A by 0): attention .. dispatch launch | .. combine launch | combine wait
-    A dense layer is one stage. Run back to back, the stages are the plain forward.
+    MoE layer, decode (B lags A by 2 stages), yields after:
+      attn prepare | attn core + expert selection | dispatch launch + shared experts
+      | dispatch wait + experts + combine launch | combine wait
+    MoE layer, extend (B lags A by 0), yields after dispatch launch and combine launch only, so a
+      stage runs from one layer's combine wait through the next layer's attention to its dispatch
+      launch: A's combine is covered by B's experts, B's by A's next attention.
+    Shared experts run inside the dispatch window under TBO (whole) and SBO (up half there, down
+    half in the combine window); otherwise after the combine. A dense layer has no yield point.
+    Run back to back, the stages are the plain forward.
     """
 
     def __init__(self, cfg, layer_id: int, rotary: RotaryEmbedding, expert_range: tuple[int, int]) -> None:
@@ -337,9 +346,13 @@ class DecoderLayer(nn.Module):
     def _dispatch_a(self, mb: MicroBatch) -> None:
         self.mlp.dispatchers[mb.index].dispatch_a(mb.h, mb.topk_ids, mb.topk_weights)
         shared = self.mlp.shared_experts
-        if self.mlp.sbo and shared is not None:
+        if shared is None:
+            return
+        if self.mlp.sbo:
             with self._side():
                 mb.shared_act = F.silu(shared.gate_proj(mb.h)) * shared.up_proj(mb.h)
+        elif mb.tbo:
+            mb.shared = shared(mb.h)
 
     def _experts(self, mb: MicroBatch) -> None:
         disp = self.mlp.dispatchers[mb.index]
@@ -363,14 +376,15 @@ class DecoderLayer(nn.Module):
         mb.x = mb.x + out
         mb.h = mb.shared = mb.topk_ids = mb.topk_weights = None
 
-    def stages(self, mode: ForwardMode) -> list[list]:
+    def operations(self, mode: ForwardMode) -> list:
+        """This layer's operations in order, with `YIELD` where a stage ends."""
         if not self.is_moe:
-            return [[self._dense_layer]]
+            return [self._dense_layer]
         if mode == ForwardMode.DECODE:
-            return [[self._attn_prepare], [self._attn_core, self._select_experts], [self._dispatch_a],
-                    [self._experts], [self._combine_b]]
-        return [[self._attn_prepare, self._attn_core, self._select_experts, self._dispatch_a],
-                [self._experts], [self._combine_b]]
+            return [self._attn_prepare, YIELD, self._attn_core, self._select_experts, YIELD,
+                    self._dispatch_a, YIELD, self._experts, YIELD, self._combine_b, YIELD]
+        return [self._attn_prepare, self._attn_core, self._select_experts, self._dispatch_a, YIELD,
+                self._experts, YIELD, self._combine_b]
 
 
 class DeepseekV3Model(nn.Module):
@@ -401,24 +415,46 @@ class DeepseekV3ForCausalLM(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.model.layers if layer.is_moe]
 
-    def stage_list(self, mode: ForwardMode) -> list[list]:
-        """All layers' stages in order; a stage is a list of operations on one MicroBatch."""
-        return [stage for layer in self.model.layers for stage in layer.stages(mode)]
+    @staticmethod
+    def stage_list(layers: Iterable[DecoderLayer], mode: ForwardMode) -> list[list]:
+        """The layers' operations cut at their yield points into stages (lists of operations on
+        one MicroBatch); a stage may span the end of one layer and the start of the next."""
+        stages, cur = [], []
+        for layer in layers:
+            for op in layer.operations(mode):
+                if op is YIELD:
+                    stages.append(cur)
+                    cur = []
+                else:
+                    cur.append(op)
+        if cur:
+            stages.append(cur)
+        return stages
+
+    def _run(self, layers, mb: MicroBatch) -> None:
+        for stage in self.stage_list(layers, mb.fb.forward_mode):
+            for op in stage:
+                op(mb)
 
     def hidden_states(self, fb: ForwardBatch, stats: CommStats | None = None) -> torch.Tensor:
         mb = MicroBatch(fb, 0, self.model.embed_tokens(fb.input_ids), stats)
-        for stage in self.stage_list(fb.forward_mode):
-            for op in stage:
-                op(mb)
+        self._run(self.model.layers, mb)
         return self.model.norm(mb.x)
 
-    def hidden_states_tbo(self, a: ForwardBatch, b: ForwardBatch, delta: int,
-                          stats: CommStats | None = None) -> torch.Tensor:
-        """Two micro-batches through interleaved stages; outputs back in token order (a, then b)."""
+    def hidden_states_tbo(self, fb: ForwardBatch, delta: int, stats: CommStats | None = None) -> torch.Tensor:
+        """`fb`'s dense layers on the whole batch, then its two micro-batches (`fb.tbo_children`,
+        tokens [0, t) and [t, T)) through the MoE layers' interleaved stages; outputs back in
+        token order."""
         from engine.tbo import run_interleaved
 
-        mbs = [MicroBatch(fb, i, self.model.embed_tokens(fb.input_ids), stats) for i, fb in enumerate((a, b))]
-        run_interleaved(self.stage_list(a.forward_mode), mbs, delta)
+        a, b = fb.tbo_children
+        k = self.config.first_k_dense_replace  # DeepSeek-V3: dense layers first, MoE after
+        whole = MicroBatch(fb, 0, self.model.embed_tokens(fb.input_ids), stats)
+        self._run(self.model.layers[:k], whole)
+        t = a.num_tokens
+        mbs = [MicroBatch(child, i, x, stats, tbo=True)
+               for i, (child, x) in enumerate(((a, whole.x[:t]), (b, whole.x[t:])))]
+        run_interleaved(self.stage_list(self.model.layers[k:], fb.forward_mode), mbs, delta)
         return self.model.norm(torch.cat([mbs[0].x, mbs[1].x]))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
