@@ -6,6 +6,7 @@ import pytest
 import torch
 from moe_testing import dense_reference, make_inputs, make_weights, moe_step, rel_err
 
+from engine.moe import runners
 from engine.moe.factory import make_dispatcher, make_expert_runner
 from engine.moe.fp8 import (
     dequantize_per_block,
@@ -26,9 +27,14 @@ def _none(layout: str = "contiguous", alignment: int = 1) -> NoneDispatcher:
     return d
 
 
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "per_expert"])
 @pytest.mark.parametrize("layout,alignment", [("contiguous", 1), ("contiguous", 4), ("masked", 1)])
 @pytest.mark.parametrize("num_tokens", [0, 1, 37])
-def test_none_dispatch_with_torch_runner_matches_dense_moe(layout: str, alignment: int, num_tokens: int) -> None:
+def test_none_dispatch_with_torch_runner_matches_dense_moe(layout: str, alignment: int, num_tokens: int,
+                                                           grouped: bool, monkeypatch) -> None:
+    if grouped and not runners._grouped_mm_works(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no usable torch._grouped_mm")
+    monkeypatch.setitem(runners._GROUPED_MM_OK, ("cpu", torch.float32), grouped)
     w13, w2 = make_weights(E, H, INTER)
     x, ids, w = make_inputs(num_tokens, H, E, K, seed=num_tokens)
     out = moe_step(_none(layout, alignment), make_expert_runner("torch", w13, w2), x, ids, w)
