@@ -107,7 +107,10 @@ class ModelRunner:
         if config.enable_single_batch_overlap:
             from engine.sbo import configure_sbo
 
-            self.sbo_mode = configure_sbo(self.device, a2a)
+            self.sbo_mode = configure_sbo(self.device, a2a, runner_backend)
+            if self.sbo_mode.combine_signal:
+                for moe in self.model.moe_layers:
+                    moe.combine_signal_sms = (self.sbo_mode.comm_num_sms, self.sbo_mode.gemm_num_sms)
         self.pool = MLATokenPool(hf_config.num_hidden_layers, num_pages, config.page_size,
                                  hf_config.kv_lora_rank, hf_config.qk_rope_head_dim, self.dtype, self.device)
         for layer in self.model.model.layers:

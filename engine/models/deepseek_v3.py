@@ -252,6 +252,8 @@ class MoE(nn.Module):
         self.runner: ExpertRunner | None = None
         self.sbo = False  # single-batch overlap: shared experts inside the communication windows
         self.alt_stream = None  # CUDA: SBO runs the shared experts on this side stream
+        # SBO with the signalled combine (DeepEP LL + DeepGEMM fork on SM90): (comm SMs, GEMM SMs)
+        self.combine_signal_sms: tuple[int, int | None] | None = None
 
 
 YIELD = object()  # in an operation list: the end of a stage, where the other micro-batch may run
@@ -357,7 +359,13 @@ class DecoderLayer(nn.Module):
     def _experts(self, mb: MicroBatch) -> None:
         disp = self.mlp.dispatchers[mb.index]
         d = _timed_wait(mb, disp.dispatch_b)
-        disp.combine_a(self.mlp.runner(d), d)
+        sms, runner = self.mlp.combine_signal_sms, self.mlp.runner
+        if sms is not None and disp.accepts_combine_signal(d) and runner.signals_down_gemm(d):
+            from engine.sbo import combine_overlapping_down_gemm
+
+            combine_overlapping_down_gemm(disp, runner, d, *sms)  # combine_a inside
+        else:
+            disp.combine_a(runner(d), d)
         if mb.shared_act is not None:
             with self._side():
                 mb.shared = self.mlp.shared_experts.down_proj(mb.shared_act)

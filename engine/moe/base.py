@@ -47,6 +47,25 @@ class DispatchOutput:
     handle: Any = None
 
 
+@dataclass
+class CombineSignal:
+    """SBO's finest mode: the combine starts sending a block of an expert's rows as soon as the down
+    GEMM has finished it, instead of after the whole GEMM.
+
+    `signal` int32 [E_local * ceil(m_max / 64)]: the GEMM adds 1 per finished (block_m rows x
+    block_n columns) tile at `e * ceil(m_max / block_m) + block`; the combine waits for
+    `threshold` (the number of column tiles) there. `ready` is a CUDA event recorded on the compute
+    stream before the GEMM was queued: the combine, on its own stream, starts after it, so both run
+    at once. `num_sms`: SMs the combine's sends may use.
+    """
+
+    signal: torch.Tensor
+    block_m: int
+    threshold: int
+    num_sms: int
+    ready: Any = None
+
+
 class Dispatcher(ABC):
     """All-to-all of tokens to experts and back. See the module docstring for the call order."""
 
@@ -59,8 +78,16 @@ class Dispatcher(ABC):
         """Wait for the dispatch; return the tokens for this rank's local experts."""
 
     @abstractmethod
-    def combine_a(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> None:
-        """Launch sending the expert outputs (same layout as `dispatch_output`) back to their tokens."""
+    def combine_a(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput,
+                  signal: CombineSignal | None = None) -> None:
+        """Launch sending the expert outputs (same layout as `dispatch_output`) back to their tokens.
+        With `signal` (only where `accepts_combine_signal` says so) the outputs are still being
+        written by the down GEMM, and the combine sends each block once it is signalled done."""
+
+    def accepts_combine_signal(self, dispatch_output: DispatchOutput) -> bool:
+        """Whether `combine_a` of this step can take a `CombineSignal` (DeepEP LL on a build with
+        the signalled combine)."""
+        return False
 
     @abstractmethod
     def combine_b(self) -> torch.Tensor:
@@ -73,3 +100,17 @@ class ExpertRunner(ABC):
     @abstractmethod
     def __call__(self, d: DispatchOutput) -> torch.Tensor:
         """Return unweighted expert outputs in `d`'s layout (rows beyond the counts are don't-care)."""
+
+    def signals_down_gemm(self, d: DispatchOutput) -> bool:
+        """Whether `up` / `down_signalled` can run `d` (a masked layout, a GEMM that signals)."""
+        return False
+
+    def up(self, d: DispatchOutput) -> Any:
+        """The gate/up GEMM and the activation: the input of `down_signalled`."""
+        raise TypeError(f"{type(self).__name__} has no signalled down GEMM")
+
+    def down_signalled(self, d: DispatchOutput, act: Any, signal: torch.Tensor,
+                       num_sms: int | None = None) -> tuple[torch.Tensor, int, int]:
+        """Queue the down GEMM writing into a fresh output and counting finished tiles in `signal`
+        (on at most `num_sms` SMs); return (output, block_m, threshold) at once."""
+        raise TypeError(f"{type(self).__name__} has no signalled down GEMM")

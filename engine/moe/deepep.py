@@ -18,13 +18,15 @@ as DeepEP requires.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from engine.moe.base import Dispatcher, DispatchOutput
+from engine.moe.base import CombineSignal, Dispatcher, DispatchOutput
 from engine.moe.fp8 import quantize_per_token
 from engine.moe.permute import MaskedDispatchOutput, Permutation, permute, unpermute
 
@@ -88,6 +90,16 @@ def get_buffer(group: Any, *, hidden: int, params_dtype: torch.dtype, deepep_mod
     entry = _SharedBuffer(buf, want_ll, num_max_dispatch_tokens_per_rank, hidden, num_experts)
     _BUFFERS[key] = entry
     return entry
+
+
+def combine_takes_signal(buffer: Any) -> bool:
+    """Whether this DeepEP build's `low_latency_combine` takes a down-GEMM completion signal
+    (`comp_signal`/`block_m`/`threshold`, the antgroup-opt "LL-SBO" API; main has none)."""
+    try:
+        params = inspect.signature(type(buffer).low_latency_combine).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(p in params for p in ("overlap", "packed_recv_count", "comp_signal", "block_m", "threshold"))
 
 
 def clear_buffers() -> None:
@@ -219,15 +231,44 @@ class DeepEPDispatcher(Dispatcher):
             event.current_stream_wait()
 
     # -- combine ---------------------------------------------------------------------------
-    def combine_a(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> None:
+    def accepts_combine_signal(self, dispatch_output: DispatchOutput) -> bool:
+        return (self._s.get("mode") == "low_latency" and dispatch_output.layout == "masked"
+                and combine_takes_signal(self.buffer))
+
+    def _comm_stream(self) -> Any:
+        if getattr(self, "_comm", None) is None:
+            self._comm = torch.cuda.Stream()
+        return self._comm
+
+    def combine_a(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput,
+                  signal: CombineSignal | None = None) -> None:
         s = self._s
         assert "perm" in s, "combine_a before dispatch_b"
-        y = expert_output.to(torch.bfloat16)
         buf = self.buffer
+        if signal is not None:
+            if not self.accepts_combine_signal(dispatch_output):
+                raise ValueError("this step's combine cannot take a down-GEMM signal")
+            # the GEMM is still writing this very tensor: no conversion copy may stand between
+            if expert_output.dtype != torch.bfloat16:
+                raise ValueError("a signalled combine needs the down GEMM's BF16 output itself")
+        y = expert_output.to(torch.bfloat16)
         if s["mode"] == "low_latency":
-            combined, event, hook = buf.low_latency_combine(
-                y, s["topk_idx"], s["topk_weights"], s["handle"],
-                async_finish=not self.return_recv_hook, return_recv_hook=self.return_recv_hook)
+            kw: dict[str, Any] = {}
+            on_comm: Any = contextlib.nullcontext()
+            if signal is not None:
+                kw = dict(overlap=True, packed_recv_count=s["recv_count"], comp_signal=signal.signal,
+                          block_m=signal.block_m, threshold=signal.threshold, num_sms=signal.num_sms)
+                if y.is_cuda:  # the combine runs beside the GEMM, on its own stream
+                    comm = self._comm_stream()
+                    comm.wait_event(signal.ready)
+                    y.record_stream(comm)
+                    signal.signal.record_stream(comm)
+                    on_comm = torch.cuda.stream(comm)
+                    s["comm_stream"] = comm
+            with on_comm:
+                combined, event, hook = buf.low_latency_combine(
+                    y, s["topk_idx"], s["topk_weights"], s["handle"],
+                    async_finish=not self.return_recv_hook, return_recv_hook=self.return_recv_hook, **kw)
         else:
             perm: Permutation = s["perm"]
             # Normal combine sums rank contributions unweighted: weight per received row here.
@@ -242,5 +283,9 @@ class DeepEPDispatcher(Dispatcher):
     def combine_b(self) -> torch.Tensor:
         s, self._s = self._s, {}
         assert "combined" in s, "combine_b without combine_a"
+        if "comm_stream" in s:  # signalled combine: its stream joins the compute stream here
+            main = torch.cuda.current_stream()
+            main.wait_stream(s["comm_stream"])
+            s["combined"].record_stream(main)
         self._wait(s["hook"], s["event"])
         return s["combined"].to(s["dtype"])

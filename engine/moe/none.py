@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.moe.base import Dispatcher, DispatchOutput
+from engine.moe.base import CombineSignal, Dispatcher, DispatchOutput
 from engine.moe.permute import Layout, MaskedDispatchOutput, Permutation, permute, unpermute
 
 
@@ -43,7 +43,10 @@ class NoneDispatcher(Dispatcher):
         assert out is not None, "dispatch_b without dispatch_a"
         return out
 
-    def combine_a(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> None:
+    def combine_a(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput,
+                  signal: CombineSignal | None = None) -> None:
+        if signal is not None:
+            raise ValueError(f"{type(self).__name__} has no signalled combine")
         assert self._state is not None, "combine_a without dispatch"
         perm, weights, dtype = self._state
         self._state = None

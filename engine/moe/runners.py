@@ -8,8 +8,10 @@ Either may be FP8 with 128x128 block scales (`w13_scale` [E, 2I/128, hidden/128]
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -120,6 +122,35 @@ def _first_attr(mod: Any, names: tuple[str, ...]) -> tuple[str, Callable[..., An
     raise ImportError(f"deep_gemm has none of {names}")
 
 
+def _accepts(fn: Callable[..., Any], *names: str) -> bool:
+    """Whether `fn` takes these keyword arguments: from its signature, or for a compiled function
+    without one from the signature line pybind11 writes at the top of its docstring."""
+    try:
+        params = inspect.signature(fn).parameters
+        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            return all(n in params for n in names)
+    except (TypeError, ValueError):
+        pass
+    head = (getattr(fn, "__doc__", None) or "").split("\n", 1)[0]
+    return all(f"{n}:" in head or f"{n}=" in head for n in names)
+
+
+@contextlib.contextmanager
+def _deep_gemm_num_sms(num_sms: int | None) -> Iterator[None]:
+    """DeepGEMM kernels launched inside use at most `num_sms` SMs (a global setting, restored)."""
+    import deep_gemm
+
+    if num_sms is None or not hasattr(deep_gemm, "set_num_sms"):
+        yield
+        return
+    before = deep_gemm.get_num_sms()
+    deep_gemm.set_num_sms(num_sms)
+    try:
+        yield
+    finally:
+        deep_gemm.set_num_sms(before)
+
+
 class DeepGemmExpertRunner(ExpertRunner):
     """DeepGEMM grouped FP8 GEMMs (Hopper/Blackwell): contiguous for normal dispatch, masked for LL.
 
@@ -148,7 +179,10 @@ class DeepGemmExpertRunner(ExpertRunner):
             self.alignment = int(align_fn())
         except ImportError:
             self.alignment = 128  # the documented legacy value
-        logger.info("deep_gemm runner: %s / %s, M alignment %d", name_c, name_m, self.alignment)
+        # SGLang's DeepGEMM fork: the masked GEMM can count finished tiles into a signal tensor
+        self.masked_signal = _accepts(self._gemm_masked, "enable_overlap", "signal")
+        logger.info("deep_gemm runner: %s / %s, M alignment %d%s", name_c, name_m, self.alignment,
+                    ", masked GEMM signals finished tiles" if self.masked_signal else "")
 
     @staticmethod
     def _weight(w: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,17 +205,35 @@ class DeepGemmExpertRunner(ExpertRunner):
         return self._contiguous(d)
 
     def _masked(self, d: DispatchOutput) -> torch.Tensor:
+        a, as_, masked_m, expected_m = self.up(d)
+        out = torch.empty(*a.shape[:2], self.w2[0].shape[1], dtype=torch.bfloat16, device=a.device)
+        self._gemm_masked((a, as_), self.w2, out, masked_m, expected_m)
+        return out
+
+    def signals_down_gemm(self, d: DispatchOutput) -> bool:
+        return d.layout == "masked" and self.masked_signal
+
+    def up(self, d: DispatchOutput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Masked gate/up GEMM + SwiGLU, quantized for the down GEMM."""
         x, xs = self._fp8_input(d)
         g, m_max, _ = x.shape
         masked_m = d.tokens_per_expert.to(device=x.device, dtype=torch.int32)
         expected_m = getattr(d, "expected_m", None) or max(1, m_max // 2)
-        n13, n2 = self.w13[0].shape[1], self.w2[0].shape[1]
-        h = torch.empty(g, m_max, n13, dtype=torch.bfloat16, device=x.device)
+        h = torch.empty(g, m_max, self.w13[0].shape[1], dtype=torch.bfloat16, device=x.device)
         self._gemm_masked((x, xs), self.w13, h, masked_m, expected_m)
         a, as_ = quantize_per_token(_silu_mul(h))
-        out = torch.empty(g, m_max, n2, dtype=torch.bfloat16, device=x.device)
-        self._gemm_masked((a, as_), self.w2, out, masked_m, expected_m)
-        return out
+        return a, as_, masked_m, expected_m
+
+    def down_signalled(self, d: DispatchOutput, act: Any, signal: torch.Tensor,
+                       num_sms: int | None = None) -> tuple[torch.Tensor, int, int]:
+        if not self.signals_down_gemm(d):
+            raise ValueError("this deep_gemm build or layout has no signalled masked GEMM")
+        a, as_, masked_m, expected_m = act
+        out = torch.empty(*a.shape[:2], self.w2[0].shape[1], dtype=torch.bfloat16, device=a.device)
+        with _deep_gemm_num_sms(num_sms):
+            block_m, threshold = self._gemm_masked((a, as_), self.w2, out, masked_m, expected_m,
+                                                   enable_overlap=True, signal=signal)
+        return out, int(block_m), int(threshold)
 
     def _contiguous(self, d: DispatchOutput) -> torch.Tensor:
         x, xs = self._fp8_input(d)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.moe.base import Dispatcher, DispatchOutput
+from engine.moe.base import CombineSignal, Dispatcher, DispatchOutput
 from engine.moe.permute import Layout, MaskedDispatchOutput, Permutation, permute, unpermute
 
 
@@ -131,7 +131,10 @@ class TorchA2ADispatcher(Dispatcher):
         return DispatchOutput(hidden, counts, "contiguous", handle=perm)
 
     # -- combine ---------------------------------------------------------------------------
-    def combine_a(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> None:
+    def combine_a(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput,
+                  signal: CombineSignal | None = None) -> None:
+        if signal is not None:
+            raise ValueError(f"{type(self).__name__} has no signalled combine")
         s = self._step
         assert s is not None and "perm" in s, "combine_a before dispatch_b"
         perm: Permutation = s["perm"]

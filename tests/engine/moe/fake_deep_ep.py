@@ -326,3 +326,48 @@ class Buffer:
 
         event, hook = self._finish_ll(fill, async_finish, return_recv_hook)
         return combined, event, hook
+
+
+class SboBuffer(Buffer):
+    """The antgroup-opt branch's Buffer ("LL-SBO"): `low_latency_combine` can take the down GEMM's
+    completion signal. Holds the caller to that contract: an int32 counter per (local expert,
+    block_m rows of the masked layout), `packed_recv_count` as the dispatch returned it, and every
+    block holding received rows signalled `threshold` times before the combine reads it (on the
+    CPU the GEMM has run by the time the combine is called, so a counter short of `threshold`
+    means the engine and the GEMM disagree on the indexing)."""
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: tuple, overlap: bool = False, packed_recv_count: torch.Tensor | None = None,
+                            comp_signal: torch.Tensor | None = None, block_m: int = 64, threshold: int = 0,
+                            num_sms: int = 3, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Any = None, combine_wait_recv_cost_stats: Any = None) -> tuple:
+        if overlap:
+            _, layout_range, _, _, num_experts = handle
+            e_local, m_max = x.shape[0], x.shape[1]
+            counts = (layout_range & 0xFFFFFFFF).sum(1)
+            assert packed_recv_count is not None and packed_recv_count.dtype == torch.int32
+            assert packed_recv_count.tolist() == counts.tolist(), "packed_recv_count is not the dispatch's"
+            assert comp_signal is not None and comp_signal.dtype == torch.int32 and comp_signal.is_contiguous()
+            assert block_m > 0 and threshold > 0 and num_sms > 0
+            blocks = -(-m_max // block_m)
+            assert comp_signal.numel() >= e_local * blocks, "signal too small for the masked layout"
+            for e, n in enumerate(counts.tolist()):
+                for i in range(-(-n // block_m)):
+                    assert int(comp_signal[e * blocks + i]) == threshold, f"expert {e} block {i} not signalled done"
+            self.calls.append("low_latency_combine[signal]")
+        return super().low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt=use_logfmt,
+                                           zero_copy=zero_copy, async_finish=async_finish,
+                                           return_recv_hook=return_recv_hook, out=out,
+                                           combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
+
+
+def make_module(sbo: bool = False):  # noqa: ANN201
+    """This module as `deep_ep`, with `Buffer` the antgroup-opt one when `sbo`."""
+    import sys
+    import types
+
+    mod = types.ModuleType("deep_ep")
+    mod.__dict__.update({k: v for k, v in vars(sys.modules[__name__]).items() if not k.startswith("__")})
+    mod.Buffer = SboBuffer if sbo else Buffer
+    return mod

@@ -68,18 +68,48 @@ def m_grouped_fp8_gemm_nt_masked(a: tuple, b: tuple, d: torch.Tensor, masked_m: 
         d[e, :n] = (x[e, :n] @ w[e].T).to(torch.bfloat16)
 
 
+SBO_BLOCK_M, SBO_BLOCK_N = 64, 128
+
+
+def m_grouped_fp8_gemm_nt_masked_signal(a: tuple, b: tuple, d: torch.Tensor, masked_m: torch.Tensor,
+                                        expected_m: int, recipe: object = None, compiled_dims: str = "nk",
+                                        disable_ue8m0_cast: bool = False, max_block_n: int = 256,
+                                        enable_overlap: bool = False,
+                                        signal: torch.Tensor | None = None) -> tuple[int, int] | None:
+    """SGLang's fork (SM90): with `enable_overlap`, each finished (block_m x block_n) tile of
+    group g, row block i adds 1 at `signal[g * ceil(m_max / block_m) + i]`; returns
+    (block_m, threshold = ceil(n / block_n)), the count a finished row block reaches."""
+    m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m)
+    if not enable_overlap:
+        return None
+    assert signal is not None and signal.dtype == torch.int32 and signal.is_contiguous()
+    g, m_max, n = d.shape
+    blocks = -(-m_max // SBO_BLOCK_M)
+    threshold = -(-n // SBO_BLOCK_N)
+    assert signal.numel() >= g * blocks
+    for e, rows in enumerate(masked_m.tolist()):
+        for i in range(-(-rows // SBO_BLOCK_M)):
+            signal[e * blocks + i] += threshold  # one per column tile of this row block
+    return SBO_BLOCK_M, threshold
+
+
 def get_mk_alignment_for_contiguous_layout() -> int:
     return ALIGNMENT
 
 
-def make_module(legacy: bool = False) -> types.ModuleType:
+def make_module(legacy: bool = False, signal: bool = False) -> types.ModuleType:
+    """`signal`: the masked GEMM is the SGLang fork's, which can signal finished tiles."""
     mod = types.ModuleType("deep_gemm")
+    num_sms = [132]
+    mod.get_num_sms = lambda: num_sms[0]
+    mod.set_num_sms = lambda n: num_sms.__setitem__(0, int(n))
     if legacy:
         mod.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous = m_grouped_fp8_gemm_nt_contiguous
         mod.m_grouped_gemm_fp8_fp8_bf16_nt_masked = m_grouped_fp8_gemm_nt_masked
         mod.get_m_alignment_for_contiguous_layout = get_mk_alignment_for_contiguous_layout
     else:
         mod.m_grouped_fp8_gemm_nt_contiguous = m_grouped_fp8_gemm_nt_contiguous
-        mod.m_grouped_fp8_gemm_nt_masked = m_grouped_fp8_gemm_nt_masked
+        mod.m_grouped_fp8_gemm_nt_masked = (m_grouped_fp8_gemm_nt_masked_signal if signal
+                                            else m_grouped_fp8_gemm_nt_masked)
         mod.get_mk_alignment_for_contiguous_layout = get_mk_alignment_for_contiguous_layout
     return mod

@@ -34,6 +34,8 @@ class Scenario:
     normal_fp8: bool = False
     low_latency_fp8: bool = True
     tbo: bool = False  # two dispatchers with interleaved halves, as two-batch overlap runs them
+    signal: bool = False  # SBO: combine signalled by the down GEMM (antgroup-opt DeepEP + DeepGEMM fork)
+    ll_capacity: int = 16  # deepep: num_max_dispatch_tokens_per_rank
 
     @property
     def world(self) -> int:
@@ -66,7 +68,7 @@ def _run(name: str, s: Scenario, rank: int, out_dir: str) -> None:
             rank=rank, world_size=s.world, deepep_mode=s.deepep_mode, params_dtype=torch.float32,
             expert_alignment=s.alignment, layout=s.layout, delay_s=s.delay_s,
             normal_fp8=s.normal_fp8, low_latency_fp8=s.low_latency_fp8,
-            num_max_dispatch_tokens_per_rank=16)
+            num_max_dispatch_tokens_per_rank=s.ll_capacity)
 
     disp = new_dispatcher()
     result: dict = {"outputs": []}
@@ -79,8 +81,13 @@ def _run(name: str, s: Scenario, rank: int, out_dir: str) -> None:
             continue
         disp.dispatch_a(x, ids, w)
         d = disp.dispatch_b()
-        y = runner(d)
-        disp.combine_a(y, d)
+        if s.signal:
+            from engine.sbo import combine_overlapping_down_gemm
+
+            result["signalled"] = disp.accepts_combine_signal(d) and runner.signals_down_gemm(d)
+            combine_overlapping_down_gemm(disp, runner, d, comm_num_sms=3, gemm_num_sms=100)
+        else:
+            disp.combine_a(runner(d), d)
         result["outputs"].append(disp.combine_b())
     result["bytes_sent"] = getattr(disp, "bytes_sent", None)
     if s.backend == "deepep":
@@ -106,15 +113,15 @@ def worker(rank: int, world: int, store_path: str, out_dir: str, scenarios: dict
            test_dir: str) -> None:
     sys.path[:0] = [p for p in (test_dir,) if p not in sys.path]
     torch.set_num_threads(1)  # 2 cores shared by all ranks
-    if any(s.backend == "deepep" or s.runner == "deep_gemm" for s in scenarios.values()):
-        import fake_deep_ep
-        import fake_deep_gemm
-
-        sys.modules["deep_ep"] = fake_deep_ep
-        sys.modules["deep_gemm"] = fake_deep_gemm.make_module()
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
         for name, s in scenarios.items():
+            if s.backend == "deepep" or s.runner == "deep_gemm":
+                import fake_deep_ep
+                import fake_deep_gemm
+
+                sys.modules["deep_ep"] = fake_deep_ep.make_module(sbo=s.signal)
+                sys.modules["deep_gemm"] = fake_deep_gemm.make_module(signal=s.signal)
             from engine.moe.deepep import clear_buffers
 
             clear_buffers()  # each scenario sizes its own Buffer

@@ -35,6 +35,11 @@ SCENARIOS_2 = {
                                         deepep_mode="low_latency", runner="deep_gemm", **LL),
     "deepep_ll_bf16_hot": Scenario(tokens=(6, 3), modes=("low_latency",), deepep_mode="low_latency",
                                    low_latency_fp8=False, hot_rank=1, **LL),
+    "deepep_ll_signalled_combine": Scenario(tokens=(5, 11), modes=("low_latency",), deepep_mode="low_latency",
+                                            runner="deep_gemm", signal=True, **LL),
+    # every token to rank 1's 4 experts: ~66 rows each, so their second block of 64 rows counts too
+    "deepep_ll_signalled_hot": Scenario(tokens=(48, 40), modes=("low_latency",), deepep_mode="low_latency",
+                                        runner="deep_gemm", signal=True, hot_rank=1, ll_capacity=64, **LL),
     "deepep_auto_switch": Scenario(tokens=(4, 5), modes=("normal", "low_latency", "normal", "low_latency"),
                                    deepep_mode="auto", low_latency_fp8=False, **LL),
 }
@@ -124,3 +129,14 @@ def test_deepep_auto_mode_cleans_low_latency_buffer_after_normal_kernels(results
                      "low_latency_dispatch", "low_latency_combine",
                      "get_dispatch_layout", "dispatch", "combine", "clean_low_latency_buffer",
                      "low_latency_dispatch", "low_latency_combine"]
+
+
+def test_signalled_combine_waits_on_the_down_gemm(results_2: dict) -> None:
+    """SBO's finest mode: the combine took the down GEMM's tile counters (checked block by block
+    by the stand-in) and the result still equals one rank's (`_check` above)."""
+    for name in ("deepep_ll_signalled_combine", "deepep_ll_signalled_hot"):
+        for r in results_2[name]:
+            assert r["signalled"]
+            assert "low_latency_combine[signal]" in r["calls"]
+    plain = results_2["deepep_ll_fp8_deep_gemm"][0]["calls"]
+    assert "low_latency_combine[signal]" not in plain
