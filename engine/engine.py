@@ -304,7 +304,7 @@ class Engine:
 
     def _finish(self, step: ScheduledBatch, pending) -> None:
         try:
-            out = pending.result()
+            out = self.executor.wait(pending)
         except Exception as e:
             if self.parallel.is_distributed:
                 raise  # the group's collectives are in an unknown state: the loop must die

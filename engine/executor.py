@@ -2,12 +2,15 @@
 
 `InlineExecutor` runs the step at launch (the normal loop). `ThreadExecutor` plays the role of a
 CUDA stream for the overlap loop: launched steps run in launch order on one worker thread, so
-Python scheduling and tensor work proceed at once on two cores. On CUDA the worker also runs the
-forward on its own stream and copies results to pinned host memory on a copy stream; `result()`
-waits only for that copy's event.
+Python scheduling and tensor work proceed at once on two cores. On CUDA the worker only launches:
+the forward on its own stream, then the copy of the results to pinned host memory on a copy
+stream with an event, and goes on to the next step (its input ids come from the FutureMap on the
+device, so it needs nothing from the host); `wait()`, called where the engine processes the step,
+is the only place that blocks on that event.
 
-Both record per-step timing: forward time, and the worker's idle gap between consecutive steps
-while the engine had work (the "bubble" the overlap loop exists to remove).
+Both record per-step timing: forward time, and the idle gap between consecutive steps while the
+engine had work (the "bubble" the overlap loop exists to remove). On CUDA both come from timing
+events on the forward stream, i.e. the device's own busy and idle time.
 """
 
 from __future__ import annotations
@@ -51,16 +54,38 @@ class ExecutorStats:
         self.forward_time += end - start
 
 
+class _DeviceStep:
+    """A launched CUDA step: results on their way to pinned host memory, and its timing events."""
+
+    __slots__ = ("host", "done", "start", "end", "idle_at_launch")
+
+    def __init__(self, host: list, done, start, end, idle_at_launch: float) -> None:
+        self.host, self.done, self.start, self.end = host, done, start, end
+        self.idle_at_launch = idle_at_launch
+
+    def wait(self) -> HostOutput:
+        self.done.synchronize()
+        return HostOutput(*[h.tolist() if h is not None else None for h in self.host])
+
+
 class _CudaCopier:
     """Forward stream + copy stream + events for one worker (CUDA only)."""
 
     def __init__(self, device) -> None:
         self.forward_stream = torch.cuda.Stream(device)
         self.copy_stream = torch.cuda.Stream(device)
+        self.origin = torch.cuda.Event(enable_timing=True)  # device times are measured from here
+        self.origin.record(self.forward_stream)
 
-    def run(self, fn: Callable[[], ForwardOutput]) -> HostOutput:
+    def seconds(self, event) -> float:
+        return self.origin.elapsed_time(event) / 1e3
+
+    def launch(self, fn: Callable[[], ForwardOutput], idle_total: float) -> _DeviceStep:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.forward_stream):
+            start.record()
             out = fn()
+            end.record()
         done = torch.cuda.Event()
         self.copy_stream.wait_stream(self.forward_stream)
         with torch.cuda.stream(self.copy_stream):
@@ -73,8 +98,7 @@ class _CudaCopier:
                     t = h
                 host.append(t)
             done.record(self.copy_stream)
-        done.synchronize()  # only this worker waits; the scheduler thread runs on
-        return HostOutput(*[h.tolist() if h is not None else None for h in host])
+        return _DeviceStep(host, done, start, end, idle_total)  # nobody waits here
 
 
 def _to_host(out: ForwardOutput) -> HostOutput:
@@ -95,14 +119,23 @@ class _Executor:
         start = time.perf_counter()
         try:
             if self._cuda is not None:
-                out = self._cuda.run(lambda: self._forward(fb))
+                out = self._cuda.launch(lambda: self._forward(fb), self._idle_clock())
             else:
                 out = _to_host(self._forward(fb))
+                self.stats.record(start, time.perf_counter(), self._idle_clock())
         except BaseException as e:  # surfaced to the loop through the future
             fut.set_exception(e)
             return
-        self.stats.record(start, time.perf_counter(), self._idle_clock())
         fut.set_result(out)
+
+    def wait(self, fut: Future) -> HostOutput:
+        """The step's host results (the engine calls this for each launched step, in launch order)."""
+        out = fut.result()
+        if isinstance(out, _DeviceStep):
+            host = out.wait()
+            self.stats.record(self._cuda.seconds(out.start), self._cuda.seconds(out.end), out.idle_at_launch)
+            return host
+        return out
 
     def shutdown(self) -> None:
         pass
