@@ -32,7 +32,8 @@ class DispatchOutput:
     """Tokens delivered to this rank's local experts.
 
     layout "contiguous": `hidden_states` is [N, hidden], rows grouped by local expert in order,
-      `tokens_per_expert[e]` rows for expert e (a CPU int64 tensor [E_local]).
+      `tokens_per_expert[e]` rows for expert e (an int64 tensor [E_local]; on the host, or on the
+      device where the dispatcher had no need to copy it: runners copy it if they need it).
     layout "masked": `hidden_states` is [E_local, capacity, hidden]; only the first
       `tokens_per_expert[e]` rows of expert e are valid (DeepEP low-latency / DeepGEMM masked).
     `hidden_scales` is set when the payload travelled in FP8: per-token 1x128 block scales,

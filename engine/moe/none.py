@@ -26,9 +26,11 @@ class NoneDispatcher(Dispatcher):
         self._combined: torch.Tensor | None = None
 
     def dispatch_a(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        # On the GPU the ids come from the router, which never drops a slot: no host copy of the
+        # counts then (on the CPU checking costs nothing, so the general path runs)
         hidden, _, counts, perm = permute(
             hidden_states, topk_ids, self.num_experts, layout=self.layout,
-            alignment=self.expert_alignment, capacity=self.masked_capacity)
+            alignment=self.expert_alignment, capacity=self.masked_capacity, all_valid=topk_ids.is_cuda)
         self._state = (perm, topk_weights, hidden_states.dtype)
         if self.layout == "masked":
             n_valid = int(counts.sum())

@@ -72,6 +72,7 @@ def permute(
     alignment: int = 1,
     capacity: int | None = None,
     scales: torch.Tensor | None = None,
+    all_valid: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, Permutation]:
     """Group the rows of `x` [R, hidden] by expert: one layout row per valid (row, slot) pair.
 
@@ -83,16 +84,21 @@ def permute(
     - masked: [num_experts, cap, hidden], cap = `capacity` or the largest count; `tokens_per_expert`
       holds the true counts.
     `scales` ([R, hidden/128], FP8 payloads) follow their rows. Returns (hidden, scales,
-    tokens_per_expert as a CPU int64 tensor, permutation).
+    tokens_per_expert as an int64 tensor, permutation); `tokens_per_expert` is on the host, except
+    with `all_valid` (the caller vouches that no id is -1, as a router's never are) and the
+    unaligned contiguous layout: then nothing needs the counts on the host and nothing copies them
+    there, so a GPU forward does not stall on them.
     """
     num_rows, topk = topk_ids.shape
     flat = topk_ids.reshape(-1).long()
-    valid = flat >= 0
-    key = torch.where(valid, flat, num_experts)  # invalid pairs sort last and are cut off
+    key = torch.where(flat >= 0, flat, num_experts)  # invalid pairs sort last and are cut off
     order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(flat[valid], minlength=num_experts)
-    counts_cpu = counts.cpu()
-    n = int(counts_cpu.sum())
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    if all_valid and layout == "contiguous" and alignment == 1:
+        counts_cpu, n = None, num_rows * topk
+    else:
+        counts_cpu = counts.cpu()
+        n = int(counts_cpu.sum())
     pair_index = order[:n]
     expert = key[pair_index]
     start = torch.cumsum(counts, 0) - counts
@@ -100,14 +106,15 @@ def permute(
     token = pair_index // topk
 
     if layout == "contiguous":
-        seg_cpu = (counts_cpu + alignment - 1) // alignment * alignment
         if alignment == 1:
             dest, num_out, dest_arg = torch.arange(n, device=flat.device), n, None
+            tokens_per_expert = counts if counts_cpu is None else counts_cpu
         else:
+            seg_cpu = (counts_cpu + alignment - 1) // alignment * alignment
             seg = seg_cpu.to(flat.device)
             dest = (torch.cumsum(seg, 0) - seg)[expert] + pos
             num_out, dest_arg = int(seg_cpu.sum()), dest
-        tokens_per_expert = seg_cpu
+            tokens_per_expert = seg_cpu
     elif layout == "masked":
         cap = int(counts_cpu.max()) if capacity is None and num_experts else (capacity or 0)
         if n and int(counts_cpu.max()) > cap:

@@ -109,3 +109,18 @@ def test_torch_runner_takes_fp8_weights_and_fp8_activations() -> None:
     d.combine_a(runner(out), out)
     got = d.combine_b().double()
     assert rel_err(got, ref) < 0.05  # FP8 activations; weights exact (ref uses the dequantized ones)
+
+
+@pytest.mark.parametrize("layout,alignment", [("contiguous", 1), ("contiguous", 4), ("masked", 1)])
+@pytest.mark.parametrize("num_tokens", [0, 1, 29])
+def test_permute_without_host_counts_matches(layout: str, alignment: int, num_tokens: int) -> None:
+    """`all_valid` (router ids, never -1) skips the host copy of the counts where the layout allows:
+    same layout, same permutation, same counts."""
+    from engine.moe.permute import permute
+
+    x, ids, _ = make_inputs(num_tokens, H, E, K, seed=3)
+    ref = permute(x, ids, E, layout=layout, alignment=alignment)
+    got = permute(x, ids, E, layout=layout, alignment=alignment, all_valid=True)
+    torch.testing.assert_close(got[0], ref[0])
+    assert got[2].tolist() == ref[2].tolist()
+    assert torch.equal(got[3].pair_index, ref[3].pair_index) and torch.equal(got[3].dest_row, ref[3].dest_row)
