@@ -5,7 +5,8 @@ fraction of that blocked time hidden by overlap (1 - blocked_on / blocked_off). 
 delays each all-to-all by a set latency (as if the ranks were on different nodes), so the effect
 of inter-node latency shows on one machine.
 
-    python benchmarks/ep_overlap.py [--delay-ms 2] [--out ep_overlap.json]
+    python benchmarks/ep_overlap.py [--delay-ms 2] [--model large] [--decode-requests 64,512]
+                                    [--prefill-requests 64] [--repeats 3] [--out ep_overlap.json]
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -30,6 +32,7 @@ def main() -> None:
                     help="comma-separated decode batch sizes (requests over both ranks)")
     ap.add_argument("--prefill-requests", type=int, default=64)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--repeats", type=int, default=1, help="rounds over the modes; medians reported")
     ap.add_argument("--model", default="tiny-dsv3",
                     help="tiny-dsv3, or 'large' for a random checkpoint with hidden 1024 (more compute per stage)")
     ap.add_argument("--out", default="ep_overlap.json")
@@ -54,21 +57,24 @@ def main() -> None:
     modes = args.modes.split(",")
     if "off" not in modes:
         modes.insert(0, "off")  # the baseline every row is compared with
-    results = {}
+    runs: dict[tuple[str, str], list[dict]] = {}
     for wname, reqs in workloads.items():
-        for mname in modes:
-            flags = MODES[mname]
-            kw = dict(model=model, ep_size=2, kv_cache_tokens=65536, moe_a2a_backend="torch",
-                      enable_overlap_schedule=False, chunked_prefill_size=1024, **flags)
-            res = run_group(2, kw, reqs, delay_ms=args.delay_ms)
-            steps = max(r["steps"] for r in res)
-            results[(wname, mname)] = {
-                "steps": steps,
-                "step_ms": 1e3 * max(r["forward_time_s"] for r in res) / steps,
-                "blocked_ms_per_step": 1e3 * sum(r["a2a_wait_s"] for r in res) / len(res) / steps,
-                "tbo_steps": max(r["tbo_steps"] for r in res),
-                "wall_s": max(r["wall_s"] for r in res),
-            }
+        # the modes take turns, `--repeats` rounds, and each figure is the median over its rounds:
+        # a shared machine's speed drifts more between runs than the effects measured here
+        for _ in range(args.repeats):
+            for mname in modes:
+                kw = dict(model=model, ep_size=2, kv_cache_tokens=65536, moe_a2a_backend="torch",
+                          enable_overlap_schedule=False, chunked_prefill_size=1024, **MODES[mname])
+                res = run_group(2, kw, reqs, delay_ms=args.delay_ms)
+                steps = max(r["steps"] for r in res)
+                runs.setdefault((wname, mname), []).append({
+                    "steps": steps,
+                    "step_ms": 1e3 * max(r["forward_time_s"] for r in res) / steps,
+                    "blocked_ms_per_step": 1e3 * sum(r["a2a_wait_s"] for r in res) / len(res) / steps,
+                    "tbo_steps": max(r["tbo_steps"] for r in res),
+                    "wall_s": max(r["wall_s"] for r in res),
+                })
+    results = {key: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for key, rs in runs.items()}
     print(f"model: {args.model}, delay per all-to-all: {args.delay_ms} ms")
     print(f"{'workload':<13}{'mode':<9}{'step ms':>9}{'blocked ms':>12}{'hidden':>8}{'speedup':>9}{'tbo steps':>11}")
     out = []
@@ -77,7 +83,7 @@ def main() -> None:
         hidden = 1 - r["blocked_ms_per_step"] / base["blocked_ms_per_step"] if base["blocked_ms_per_step"] else 0.0
         speedup = base["step_ms"] / r["step_ms"]
         print(f"{wname:<13}{mname:<9}{r['step_ms']:>9.2f}{r['blocked_ms_per_step']:>12.2f}{hidden:>8.0%}"
-              f"{speedup:>9.2f}{r['tbo_steps']:>11}")
+              f"{speedup:>9.2f}{r['tbo_steps']:>11.0f}")
         out.append({"workload": wname, "mode": mname, "hidden_fraction": hidden, "speedup": speedup, **r})
     with open(args.out, "w") as f:
         json.dump({"delay_ms": args.delay_ms, "rows": out}, f, indent=2)
