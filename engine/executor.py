@@ -160,8 +160,9 @@ class ThreadExecutor(_Executor):
         # The worker gives up the GIL at every host sync inside a forward; with the default 5 ms
         # switch interval the scheduler thread may then hold it that long while the device idles.
         # A short interval bounds that stall (the scheduler thread's work is what overlaps).
+        self._switch_interval = sys.getswitchinterval()  # restored at shutdown
         if self._cuda is not None:  # on CPU the forward's own tensor work releases the GIL anyway
-            sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
+            sys.setswitchinterval(min(self._switch_interval, 2e-4))
         self._thread = threading.Thread(target=self._work, name="forward-executor", daemon=True)
         self._thread.start()
 
@@ -178,3 +179,4 @@ class ThreadExecutor(_Executor):
     def shutdown(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=5)
+        sys.setswitchinterval(self._switch_interval)

@@ -54,9 +54,7 @@ def fake_cuda(monkeypatch):
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
-    interval = sys.getswitchinterval()
     yield
-    sys.setswitchinterval(interval)
 
 
 def test_worker_launches_ahead_and_only_the_engine_waits(fake_cuda):
@@ -84,6 +82,14 @@ def test_worker_launches_ahead_and_only_the_engine_waits(fake_cuda):
     assert _Event.log == [("synchronize", waiter)] * 3  # one wait per step, by the caller of wait()
     stats = executor.stats
     assert stats.steps == 3 and stats.forward_time > 0 and stats.bubble_time >= 0
+
+
+def test_short_switch_interval_lasts_only_while_the_worker_runs(fake_cuda):
+    before = sys.getswitchinterval()
+    executor = ex.ThreadExecutor(lambda step: None, torch.device("cuda"), lambda: 0.0)
+    assert sys.getswitchinterval() <= 2e-4
+    executor.shutdown()
+    assert sys.getswitchinterval() == before  # a normal-loop engine started next is unaffected
 
 
 def test_forward_errors_surface_at_wait(fake_cuda):
