@@ -124,3 +124,19 @@ def test_permute_without_host_counts_matches(layout: str, alignment: int, num_to
     torch.testing.assert_close(got[0], ref[0])
     assert got[2].tolist() == ref[2].tolist()
     assert torch.equal(got[3].pair_index, ref[3].pair_index) and torch.equal(got[3].dest_row, ref[3].dest_row)
+
+
+def test_grouped_gemm_failure_falls_back_to_per_expert(monkeypatch) -> None:
+    """A shape the probe did not cover makes torch._grouped_mm raise: the runner answers with the
+    per-expert matmuls and stops using it."""
+    monkeypatch.setitem(runners._GROUPED_MM_OK, ("cpu", torch.float32), True)
+
+    def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("unsupported shape")
+
+    monkeypatch.setattr(torch, "_grouped_mm", broken, raising=False)
+    w13, w2 = make_weights(E, H, INTER)
+    x, ids, w = make_inputs(13, H, E, K, seed=2)
+    out = moe_step(_none(), make_expert_runner("torch", w13, w2), x, ids, w)
+    torch.testing.assert_close(out.double(), dense_reference(x, ids, w, w13, w2), atol=1e-5, rtol=1e-5)
+    assert runners._GROUPED_MM_OK[("cpu", torch.float32)] is False
