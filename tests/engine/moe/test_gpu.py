@@ -87,3 +87,49 @@ def test_torch_backend_over_nccl_matches_none() -> None:
                     reason="needs >= 2 GPUs and deep_ep")
 def test_real_deepep_normal_and_low_latency_match_none() -> None:
     _run_nccl(2, "deepep")
+
+
+def _signalled_combine_supported() -> bool:
+    if torch.cuda.device_count() < 2:
+        return False
+    from engine.sbo import _signal_support
+
+    return _signal_support(torch.device("cuda"), "deepep", "deep_gemm")[0]
+
+
+def _signalled_worker(rank: int, world: int, store: str) -> None:
+    from engine.moe.factory import make_dispatcher, make_expert_runner
+    from engine.sbo import combine_overlapping_down_gemm
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        dev = torch.device("cuda", rank)
+        e, h, inter, k = 16, 2048, 512, 4
+        w13, w2 = make_weights(e, h, inter)
+        el = e // world
+        (q13, s13), (q2, s2) = (quantize_per_block(t[rank * el:(rank + 1) * el]) for t in (w13, w2))
+        runner = make_expert_runner("deep_gemm", q13.to(dev), q2.to(dev), w13_scale=s13.to(dev), w2_scale=s2.to(dev))
+        full = TorchExpertRunner(w13.to(dev), w2.to(dev))
+        x, ids, w = (t.to(dev) for t in make_inputs(96, h, e, k, seed=rank))
+        x = x.bfloat16()
+        d = make_dispatcher("deepep", num_experts=e, hidden_size=h, ep_group=dist.group.WORLD, rank=rank,
+                            world_size=world, deepep_mode="low_latency", params_dtype=torch.bfloat16,
+                            num_max_dispatch_tokens_per_rank=128)
+        d.dispatch_a(x, ids, w)
+        out = d.dispatch_b()
+        assert d.accepts_combine_signal(out) and runner.signals_down_gemm(out)
+        combine_overlapping_down_gemm(d, runner, out, comm_num_sms=3, gemm_num_sms=None)
+        got = d.combine_b()
+        ref = moe_step(NoneDispatcher(e), full, x, ids, w)
+        assert rel_err(got.float(), ref.float()) < 0.06, rank  # FP8 weights and payload
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not _signalled_combine_supported(),
+                    reason="needs >= 2 SM90 GPUs, DeepEP antgroup-opt and SGLang's DeepGEMM fork")
+def test_real_signalled_combine_matches_none() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_signalled_worker, args=(2, os.path.join(tmp, "store")), nprocs=2, join=True)
