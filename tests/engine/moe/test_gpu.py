@@ -6,9 +6,11 @@ single-rank configuration); the others need one.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -43,13 +45,22 @@ def test_none_and_torch_runner_on_cuda_match_cpu(layout: str, alignment: int) ->
     assert rel_err(gpu.cpu(), cpu) < 1e-3  # TF32 and reduction order differ
 
 
-def _nccl_worker(rank: int, world: int, store: str, backend: str) -> None:
-    from engine.moe.factory import make_dispatcher
-
+@contextlib.contextmanager
+def _nccl_rank(rank: int, world: int, store: str) -> Iterator[torch.device]:
+    """This process as rank `rank` of an NCCL group on GPU `rank`."""
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        dev = torch.device("cuda", rank)
+        yield torch.device("cuda", rank)
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+
+
+def _nccl_worker(rank: int, world: int, store: str, backend: str) -> None:
+    from engine.moe.factory import make_dispatcher
+
+    with _nccl_rank(rank, world, store) as dev:
         e, h, inter, k = 16, 2048, 256, 4
         w13, w2 = make_weights(e, h, inter)
         el = e // world
@@ -68,9 +79,6 @@ def _nccl_worker(rank: int, world: int, store: str, backend: str) -> None:
             ref = moe_step(NoneDispatcher(e), full, x, ids, w)
             if x.shape[0]:
                 assert rel_err(got.float(), ref.float()) < 0.02, (backend, mode, rank)
-        torch.cuda.synchronize()
-    finally:
-        dist.destroy_process_group()
 
 
 def _run_nccl(world: int, backend: str) -> None:
@@ -101,10 +109,7 @@ def _signalled_worker(rank: int, world: int, store: str) -> None:
     from engine.moe.factory import make_dispatcher, make_expert_runner
     from engine.sbo import combine_overlapping_down_gemm
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        dev = torch.device("cuda", rank)
+    with _nccl_rank(rank, world, store) as dev:
         e, h, inter, k = 16, 2048, 512, 4
         w13, w2 = make_weights(e, h, inter)
         el = e // world
@@ -123,9 +128,6 @@ def _signalled_worker(rank: int, world: int, store: str) -> None:
         got = d.combine_b()
         ref = moe_step(NoneDispatcher(e), full, x, ids, w)
         assert rel_err(got.float(), ref.float()) < 0.06, rank  # FP8 weights and payload
-        torch.cuda.synchronize()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not _signalled_combine_supported(),
