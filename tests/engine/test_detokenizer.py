@@ -88,7 +88,7 @@ def test_each_append_decodes_a_bounded_window(tokenizer):
     """O(new tokens) per call: the decoded window does not grow with the sequence."""
     windows: list[int] = []
 
-    class Spy:
+    class Spy:  # stands in for the Rust tokenizer the detokenizer decodes with
         def __init__(self, inner):
             self.inner = inner
 
@@ -96,9 +96,12 @@ def test_each_append_decodes_a_bounded_window(tokenizer):
             windows.append(len(ids))
             return self.inner.decode(ids, **kwargs)
 
+    class Tokenizer:
+        backend_tokenizer = Spy(tokenizer.backend_tokenizer)
+
     text = "The quick brown fox, 狐狸, jumps 🦊 over the lazy dog. " * 20
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(Spy(tokenizer), list(range(100, 300)))
+    detok = IncrementalDetokenizer(Tokenizer(), list(range(100, 300)))
     out = "".join(detok.append([t]) for t in ids) + detok.flush()
     assert out == text
     assert len(ids) > 300
