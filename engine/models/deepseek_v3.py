@@ -28,6 +28,7 @@ from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.layers.rotary import RotaryEmbedding
 from engine.mem.pool import MLATokenPool
 from engine.moe.base import Dispatcher, ExpertRunner
+from engine.sbo import combine_overlapping_down_gemm
 
 
 class RMSNorm(nn.Module):
@@ -361,8 +362,6 @@ class DecoderLayer(nn.Module):
         d = _timed_wait(mb, disp.dispatch_b)
         sms, runner = self.mlp.combine_signal_sms, self.mlp.runner
         if sms is not None and disp.accepts_combine_signal(d) and runner.signals_down_gemm(d):
-            from engine.sbo import combine_overlapping_down_gemm
-
             combine_overlapping_down_gemm(disp, runner, d, *sms)  # combine_a inside
         else:
             disp.combine_a(runner(d), d)
