@@ -3,12 +3,14 @@
   overhead-bound: many concurrent short decodes on tiny-dsv3 (scheduling cost ~ forward cost)
   compute-bound:  fewer requests on a larger random DeepSeek-V3 checkpoint
 
-Reports throughput (generated tok/s), the on/off ratio (median of back-to-back pairs) and the
+Overlap runs with each forward executor named by `--executors` (on CPU: `process`, the default
+for one rank, and `thread`, which shares the GIL with the scheduler). Reports throughput
+(generated tok/s), the on/off ratio (median over rounds, each ratio taken within its round) and the
 executor idle fraction (gaps between consecutive forwards while work was pending, over the
 executor's busy span). `bound` = 1 / (1 - idle fraction off): the most any overlap can gain, since
 it can only remove the normal loop's gaps; a forward that itself runs on the CPU cannot shrink.
 
-    python benchmarks/overlap.py [--requests 256] [--out overlap.json]
+    python benchmarks/overlap.py [--requests 256] [--repeats 5] [--executors process,thread]
 """
 
 from __future__ import annotations
@@ -47,10 +49,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--large-requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3, help="off/on pairs per workload (median reported)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds per workload (median ratio reported)")
+    ap.add_argument("--executors", default="process,thread",
+                    help="overlap executors to compare with the normal loop (`process` needs a CPU)")
     ap.add_argument("--out", default="overlap.json")
     args = ap.parse_args()
     rng = random.Random(0)
+    executors = args.executors.split(",")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         import sys
@@ -71,22 +76,27 @@ def main() -> None:
                                                          for _ in range(args.large_requests)], args.max_tokens),
         }
         for name, (model, prompts, mt) in workloads.items():
-            # off and on alternate, `--repeats` pairs: a shared machine's speed drifts between runs,
-            # so each pair's ratio is taken back to back and the median pair reported
-            pairs = []
-            for _ in range(args.repeats):
-                off = run(model, prompts, mt, False, kv_cache_tokens=65536, max_running_requests=256)
-                on = run(model, prompts, mt, True, kv_cache_tokens=65536, max_running_requests=256)
-                pairs.append({"off": off, "on": on, "ratio": on["tok_s"] / off["tok_s"]})
-            pairs.sort(key=lambda p: p["ratio"])
-            med = pairs[len(pairs) // 2]
-            # the bound: overlap can at most remove the normal loop's gaps between forwards
-            bound = 1 / (1 - med["off"]["idle_fraction"])
-            results[name] = {**med, "ratios": [p["ratio"] for p in pairs], "bound": bound}
-    print(f"{'workload':<30}{'off tok/s':>11}{'on tok/s':>11}{'ratio':>8}{'bound':>8}{'idle off':>10}"
+            # Each round runs off and every executor back to back (order rotated), and each ratio
+            # is taken within its round: a shared machine's speed drifts between rounds.
+            rounds = []
+            for i in range(args.repeats):
+                configs = ["off", *executors]
+                configs = configs[i % len(configs):] + configs[:i % len(configs)]
+                r = {c: run(model, prompts, mt, c != "off", forward_executor="auto" if c == "off" else c,
+                            kv_cache_tokens=65536, max_running_requests=256) for c in configs}
+                rounds.append(r)
+            for ex in executors:
+                ratios = sorted((r[ex]["tok_s"] / r["off"]["tok_s"], j) for j, r in enumerate(rounds))
+                ratio, j = ratios[len(ratios) // 2]
+                med = rounds[j]
+                # the bound: overlap can at most remove the normal loop's gaps between forwards
+                results[f"{name}, {ex}"] = {"off": med["off"], "on": med[ex], "ratio": ratio,
+                                            "ratios": [x for x, _ in ratios],
+                                            "bound": 1 / (1 - med["off"]["idle_fraction"])}
+    print(f"{'workload, executor':<38}{'off tok/s':>11}{'on tok/s':>11}{'ratio':>8}{'bound':>8}{'idle off':>10}"
           f"{'idle on':>9}  ratios")
     for name, r in results.items():
-        print(f"{name:<30}{r['off']['tok_s']:>11.1f}{r['on']['tok_s']:>11.1f}{r['ratio']:>8.2f}{r['bound']:>8.2f}"
+        print(f"{name:<38}{r['off']['tok_s']:>11.1f}{r['on']['tok_s']:>11.1f}{r['ratio']:>8.2f}{r['bound']:>8.2f}"
               f"{r['off']['idle_fraction']:>10.1%}{r['on']['idle_fraction']:>9.1%}  "
               + " ".join(f"{x:.2f}" for x in r["ratios"]))
     with open(args.out, "w") as f:

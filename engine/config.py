@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_PROCESS_EXECUTOR_ERROR = ("forward_executor: `process` runs one CPU rank's forwards; with ep_size > 1 "
+                           "or on CUDA use `thread` (or `auto`)")
 
 
 class EngineConfig(BaseModel):
@@ -21,6 +24,11 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     enable_overlap_schedule: bool = True
+    forward_executor: Literal["auto", "thread", "process"] = Field("auto", description=(
+        "where the overlap loop runs its forwards: `thread` (a worker thread; on CUDA it only "
+        "launches onto its own stream) or `process` (a child process owning the model: on CPU the "
+        "forward is CPU work, and in a thread it shares the GIL with the scheduler). `auto`: "
+        "process for one CPU rank, thread otherwise; `process` needs one CPU rank"))
     enable_two_batch_overlap: bool = False
     enable_single_batch_overlap: bool = False
     moe_a2a_backend: Literal["auto", "none", "torch", "deepep"] = "auto"
@@ -54,6 +62,26 @@ class EngineConfig(BaseModel):
         from engine.moe import deepep_available
 
         return "deepep" if deepep_available() else "torch"
+
+    @model_validator(mode="after")
+    def _process_executor_is_single_cpu_rank(self) -> EngineConfig:
+        if self.forward_executor == "process" and (self.ep_size > 1 or self.device == "cuda"):
+            raise ValueError(_PROCESS_EXECUTOR_ERROR)
+        return self
+
+    @property
+    def resolved_forward_executor(self) -> str:
+        """`inline` for the normal loop; else `thread` or `process` (see `forward_executor`)."""
+        from engine import envs
+
+        if not self.enable_overlap_schedule or envs.disable_overlap_schedule():
+            return "inline"
+        single_cpu = self.ep_size == 1 and self.resolved_device == "cpu"
+        if self.forward_executor == "auto":
+            return "process" if single_cpu else "thread"
+        if self.forward_executor == "process" and not single_cpu:
+            raise ValueError(_PROCESS_EXECUTOR_ERROR)  # device `auto` resolved to CUDA
+        return self.forward_executor
 
     @property
     def resolved_device(self) -> str:

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import envs
 from engine.config import EngineConfig
-from engine.executor import HostOutput, InlineExecutor, ThreadExecutor
+from engine.executor import ExecutorDied, HostOutput, InlineExecutor, ThreadExecutor
 from engine.forward_batch import ForwardMode
 from engine.lockstep import Lockstep
 from engine.mem.pool import MLATokenPool
@@ -33,6 +32,7 @@ from engine.model_runner import ModelRunner
 from engine.models.loader import load_model_config, resolve_model_path
 from engine.outputs import RequestOutput
 from engine.parallel import SINGLE_RANK, ParallelContext
+from engine.process_executor import ProcessExecutor, RunnerSpec
 from engine.request import Req
 from engine.sampling_params import SamplingParams
 from engine.sched.batch import ScheduledBatch, idle_batch
@@ -123,15 +123,26 @@ class Engine:
         num_pages = _kv_pages(config, hf, self.max_model_len, config.resolved_device, dtype)
         self.scheduler = Scheduler(config, num_pages, self.max_model_len, self.vocab_size)
         self.kv_capacity_tokens = self.scheduler.allocator.capacity * config.page_size
-        self.runner = ModelRunner(config, hf, path, parallel, self.max_model_len, num_pages,
-                                  self.scheduler.futures.capacity)
-        self.model = self.runner.model
-        self.overlap = config.enable_overlap_schedule and not envs.disable_overlap_schedule()
+        executor = config.resolved_forward_executor
+        self.overlap = executor != "inline"
         self._idle_time = 0.0  # time the loop spent blocked with nothing to do
-        if self.overlap:
-            self.executor = ThreadExecutor(self.runner.forward, self.runner.device, lambda: self._idle_time)
+
+        def idle_clock() -> float:
+            return self._idle_time
+
+        # With the process executor the model lives in the child; this process only schedules.
+        self.runner: ModelRunner | None = None
+        if executor == "process":
+            spec = RunnerSpec(config, str(path), self.max_model_len, num_pages, self.scheduler.futures.capacity)
+            self.executor = ProcessExecutor(spec, idle_clock)
         else:
-            self.executor = InlineExecutor(self.runner.forward, lambda: self._idle_time)
+            self.runner = ModelRunner(config, hf, path, parallel, self.max_model_len, num_pages,
+                                      self.scheduler.futures.capacity)
+            if executor == "thread":
+                self.executor = ThreadExecutor(self.runner.forward, self.runner.device, idle_clock)
+            else:
+                self.executor = InlineExecutor(self.runner.forward, idle_clock)
+        self.model = self.runner.model if self.runner is not None else None
         self.lockstep = Lockstep(parallel, config)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -190,7 +201,8 @@ class Engine:
             prefill_tokens=c["prefill_tokens"], cached_tokens=c["cached"],
             retractions=self.scheduler.num_retractions, overlap=self.overlap, tbo_steps=c["tbo_steps"],
             sbo=self.config.enable_single_batch_overlap, last_batch_size=c["last_bs"],
-            last_step_tokens=c["last_tokens"], a2a_wait_s=self.runner.comm_stats.wait_s)
+            last_step_tokens=c["last_tokens"],
+            a2a_wait_s=self.runner.comm_stats.wait_s if self.runner is not None else self.executor.a2a_wait_s)
 
     def check_health(self) -> None:
         stall_timeout = self.config.stall_timeout_s
@@ -306,8 +318,8 @@ class Engine:
         try:
             out = self.executor.wait(pending)
         except Exception as e:
-            if self.parallel.is_distributed:
-                raise  # the group's collectives are in an unknown state: the loop must die
+            if self.parallel.is_distributed or isinstance(e, ExecutorDied):
+                raise  # the group's collectives are in an unknown state, or nothing runs forwards
             # one rank alone: fail the step's requests, keep serving the others
             logger.exception("forward failed; failing its %d requests", len(step.reqs))
             for req in step.reqs:

@@ -29,6 +29,10 @@ from engine.forward_batch import ForwardBatch
 from engine.model_runner import ForwardOutput
 
 
+class ExecutorDied(RuntimeError):
+    """The executor itself is gone (not one step's error): the engine loop cannot go on."""
+
+
 @dataclass
 class HostOutput:
     next_ids: list[int] | None

@@ -122,17 +122,18 @@ def test_overlap_on_off_identical_mixed_finishes(alone_outputs):
         else:
             params.append(SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, top_k=50, seed=i))
     results = {}
-    for overlap in (False, True):
-        llm = LLM(model="tiny-dsv3", kv_cache_tokens=16384, enable_overlap_schedule=overlap)
+    for executor in ("inline", "thread", "process"):  # the normal loop, then the overlap loop's two executors
+        llm = LLM(model="tiny-dsv3", kv_cache_tokens=16384, enable_overlap_schedule=executor != "inline",
+                  forward_executor="auto" if executor == "inline" else executor)
         try:
-            results[overlap] = [(o.token_ids, o.text, o.finish_reason) for o in
-                                llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+            results[executor] = [(o.token_ids, o.text, o.finish_reason) for o in
+                                 llm.generate(prompt_token_ids=prompts, sampling_params=params)]
         finally:
             llm.shutdown()
-    assert results[False] == results[True]
-    reasons = {r for _, _, r in results[True]}
+    assert results["inline"] == results["thread"] == results["process"]
+    reasons = {r for _, _, r in results["process"]}
     assert reasons == {"stop", "length"}
-    for (_toks, text, reason), sp in zip(results[True], params):
+    for (_toks, text, reason), sp in zip(results["process"], params):
         if sp.stop and reason == "stop":
             assert not any(s in text for s in sp.stop)
 

@@ -12,9 +12,11 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["overlap", "normal"])
+@pytest.fixture(scope="module", params=["process", "thread", None], ids=["overlap-process", "overlap-thread", "normal"])
 def aengine(request):
-    eng = AsyncEngine(EngineConfig(model="tiny-dsv3", kv_cache_tokens=16384, enable_overlap_schedule=request.param))
+    executor = request.param
+    eng = AsyncEngine(EngineConfig(model="tiny-dsv3", kv_cache_tokens=16384, enable_overlap_schedule=executor is not None,
+                                   forward_executor=executor or "auto"))
     yield eng
     eng.shutdown()
 

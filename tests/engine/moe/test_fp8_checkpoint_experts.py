@@ -53,7 +53,7 @@ def _prompt_logprobs(llm, prompts):
 def test_fp8_experts_kept_as_stored_and_close_to_dequantized(fp8_checkpoint, monkeypatch):
     path, tensors = fp8_checkpoint
     prompts = [[5, 9, 200, 31, 77, 4, 18, 3], [100, 101, 102]]
-    llm = LLM(model=str(path), kv_cache_tokens=1024)
+    llm = LLM(model=str(path), kv_cache_tokens=1024, forward_executor="thread")  # the model in this process
     try:
         ref = _prompt_logprobs(llm, prompts)
         assert llm.engine.model.moe_layers[0].experts.w13.dtype == torch.float32  # dequantized
@@ -61,7 +61,7 @@ def test_fp8_experts_kept_as_stored_and_close_to_dequantized(fp8_checkpoint, mon
         llm.shutdown()
 
     monkeypatch.setitem(sys.modules, "deep_gemm", fake_deep_gemm.make_module())
-    llm = LLM(model=str(path), kv_cache_tokens=1024, moe_runner_backend="deep_gemm")
+    llm = LLM(model=str(path), kv_cache_tokens=1024, moe_runner_backend="deep_gemm", forward_executor="thread")
     try:
         ex = llm.engine.model.model.layers[1].mlp.experts
         assert ex.w13.dtype == torch.float8_e4m3fn
