@@ -222,6 +222,10 @@ class Engine:
     # ------------------------------------------------------------------ loops (loop thread)
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        if self.runner is None:
+            # Forwards run in the executor process; this thread's tensor work is the scheduler's,
+            # tiny, and an OpenMP team here would spin on the core the forward needs.
+            torch.set_num_threads(1)
         try:
             self._overlap_loop() if self.overlap else self._normal_loop()
             for req in self.scheduler.fail_all("engine shut down"):
