@@ -1,14 +1,18 @@
 """Forward executors: where a launched step runs while the scheduler goes on.
 
 `InlineExecutor` runs the step at launch (the normal loop). `ThreadExecutor` plays the role of a
-CUDA stream for the overlap loop: launched steps run in launch order on one worker thread, so
-Python scheduling and tensor work proceed at once on two cores. On CUDA the worker only launches:
+CUDA stream for the overlap loop: launched steps run in launch order on one worker thread while
+the scheduler goes on (on CPU the two share the GIL, and each tensor op of the forward waits for it
+when it returns). On CUDA the worker only launches:
 the forward on its own stream, then the copy of the results to pinned host memory on a copy
 stream with an event, and goes on to the next step (its input ids come from the FutureMap on the
 device, so it needs nothing from the host); `wait()`, called where the engine processes the step,
 is the only place that blocks on that event.
 
-Both record per-step timing: forward time, and the idle gap between consecutive steps while the
+For one CPU rank the overlap loop uses `ProcessExecutor` instead (`engine/process_executor.py`):
+same contract, but the forward runs in a child process with a GIL of its own.
+
+All record per-step timing: forward time, and the idle gap between consecutive steps while the
 engine had work (the "bubble" the overlap loop exists to remove). On CUDA both come from timing
 events on the forward stream, i.e. the device's own busy and idle time.
 """
