@@ -1,6 +1,8 @@
 """Overlap scheduler on vs off, in one run, on two workloads.
 
-  overhead-bound: many concurrent short decodes on tiny-dsv3 (scheduling cost ~ forward cost)
+  overhead-bound: many concurrent short decodes on tiny-dsv3 (scheduling cost ~ forward cost),
+                  offline (`LLM.generate`) and streamed (`AsyncEngine`, one consumer per request,
+                  as the server's ranks run it)
   compute-bound:  fewer requests on a larger random DeepSeek-V3 checkpoint
 
 Overlap runs with each forward executor named by `--executors` (on CPU: `process`, the default
@@ -16,13 +18,52 @@ it can only remove the normal loop's gaps; a forward that itself runs on the CPU
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import tempfile
 import time
 
 
+def _result(toks: int, dt: float, base, s) -> dict:
+    fwd = s.forward_time_s - base.forward_time_s
+    bubble = s.bubble_time_s - base.bubble_time_s
+    return {"tok_s": toks / dt, "time_s": dt, "steps": s.steps - base.steps,
+            "idle_fraction": bubble / (fwd + bubble) if fwd + bubble else 0.0,
+            "forward_ms_per_step": 1e3 * fwd / max(1, s.steps - base.steps)}
+
+
+def run_streaming(model: str, prompts, max_tokens: int, overlap: bool, **kw):
+    """Every request streamed to its own asyncio consumer, as the server's rank does
+    (`AsyncEngine.generate`): per-token work in the engine's process grows."""
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.sampling_params import SamplingParams
+
+    eng = AsyncEngine(EngineConfig(model=model, enable_overlap_schedule=overlap, **kw))
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+    async def consume(ids, params) -> int:
+        n = 0
+        async for out in eng.generate(ids, params):
+            n += len(out.delta_token_ids)
+        return n
+
+    async def main():
+        await asyncio.gather(*[consume(p, SamplingParams(max_tokens=2)) for p in prompts[:4]])
+        base = eng.engine.stats()
+        t0 = time.perf_counter()
+        toks = sum(await asyncio.gather(*[consume(p, sp) for p in prompts]))
+        return _result(toks, time.perf_counter() - t0, base, eng.engine.stats())
+
+    try:
+        return asyncio.run(main())
+    finally:
+        eng.shutdown()
+
+
 def run(model: str, prompts, max_tokens: int, overlap: bool, **kw):
+    """`LLM.generate` over all prompts at once (offline)."""
     from engine import LLM, SamplingParams
 
     llm = LLM(model=model, enable_overlap_schedule=overlap, **kw)
@@ -36,12 +77,7 @@ def run(model: str, prompts, max_tokens: int, overlap: bool, **kw):
         s = llm.engine.stats()
     finally:
         llm.shutdown()
-    fwd = s.forward_time_s - base.forward_time_s
-    bubble = s.bubble_time_s - base.bubble_time_s
-    toks = sum(len(o.token_ids) for o in outs)
-    return {"tok_s": toks / dt, "time_s": dt, "steps": s.steps - base.steps,
-            "idle_fraction": bubble / (fwd + bubble) if fwd + bubble else 0.0,
-            "forward_ms_per_step": 1e3 * fwd / max(1, s.steps - base.steps)}
+    return _result(sum(len(o.token_ids) for o in outs), dt, base, s)
 
 
 def main() -> None:
@@ -69,20 +105,21 @@ def main() -> None:
             num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384,
             kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=16,
             num_experts_per_tok=4, n_group=4, topk_group=2)
+        short = [[rng.randrange(3, 2000) for _ in range(rng.randrange(8, 32))] for _ in range(args.requests)]
         workloads = {
-            "overhead-bound (tiny-dsv3)": ("tiny-dsv3", [[rng.randrange(3, 2000) for _ in range(rng.randrange(8, 32))]
-                                                         for _ in range(args.requests)], args.max_tokens),
-            "compute-bound (hidden 1024)": (str(large), [[rng.randrange(3, 2000) for _ in range(rng.randrange(32, 128))]
-                                                         for _ in range(args.large_requests)], args.max_tokens),
+            "overhead-bound (tiny-dsv3)": (run, "tiny-dsv3", short, args.max_tokens),
+            "overhead-bound, streamed": (run_streaming, "tiny-dsv3", short, args.max_tokens),
+            "compute-bound (hidden 1024)": (run, str(large), [[rng.randrange(3, 2000) for _ in range(rng.randrange(32, 128))]
+                                                              for _ in range(args.large_requests)], args.max_tokens),
         }
-        for name, (model, prompts, mt) in workloads.items():
+        for name, (fn, model, prompts, mt) in workloads.items():
             # Each round runs off and every executor back to back (order rotated), and each ratio
             # is taken within its round: a shared machine's speed drifts between rounds.
             rounds = []
             for i in range(args.repeats):
                 configs = ["off", *executors]
                 configs = configs[i % len(configs):] + configs[:i % len(configs)]
-                r = {c: run(model, prompts, mt, c != "off", forward_executor="auto" if c == "off" else c,
+                r = {c: fn(model, prompts, mt, c != "off", forward_executor="auto" if c == "off" else c,
                             kv_cache_tokens=65536, max_running_requests=256) for c in configs}
                 rounds.append(r)
             for ex in executors:
