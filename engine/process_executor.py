@@ -11,11 +11,11 @@ generator (`ModelRunner`). The scheduler stays in the parent, which is why a ste
 be FutureMap placeholders exactly as with the thread executor.
 
 Per step the parent copies the batch's tensors into a staging slot of a shared-memory arena (the
-CPU counterpart of pinned host memory) and sends a small header through a pipe; the child runs
+CPU counterpart of pinned host memory) and sends a small header through a socket; the child runs
 the step on views of that slot and answers with the host results and the step's timing. Steps run
 and answer in launch order. A slot is reused only after its step's answer has been received, so
 the child never reads a slot the parent is refilling. A tensor that does not fit goes through the
-pipe instead (slower, still correct).
+socket instead (slower, still correct).
 
 Not used with expert parallelism: a rank's MoE process groups live in its own process, where the
 thread executor runs its forwards.
@@ -46,7 +46,7 @@ from engine.forward_batch import ForwardBatch
 logger = logging.getLogger(__name__)
 
 _ALIGN = 64
-SLOT_BYTES = 8 << 20  # a 256-request decode batch stages ~0.2 MB; long prefills' masks go by pipe
+SLOT_BYTES = 8 << 20  # a 256-request decode batch stages ~0.2 MB; long prefills' masks go by socket
 NUM_SLOTS = 3  # the overlap loop has at most two steps launched and unprocessed
 
 
@@ -127,7 +127,7 @@ def _portable(e: BaseException) -> BaseException:
 
 def _child_main(fd: int) -> None:
     """The executor process: build the runner, then run launched steps in order until told to stop
-    or until the parent goes away (the pipe reports EOF)."""
+    or until the parent goes away (the socket reports EOF)."""
     from engine.model_runner import ModelRunner
     from engine.models.loader import load_model_config
     from engine.parallel import SINGLE_RANK
@@ -213,6 +213,7 @@ class ProcessExecutor:
         self._conn.send((arena_path, spec))
         if not self._conn.poll(timeout_s):
             proc.kill()
+            proc.wait()
             raise RuntimeError(f"forward executor process did not start within {timeout_s:.0f}s")
         try:
             err = self._conn.recv()
@@ -230,7 +231,7 @@ class ProcessExecutor:
         try:
             self._conn.send(_Launch(self._seq, slot, batch))
         except OSError as e:  # BrokenPipeError, ConnectionResetError
-            raise ExecutorDied(f"forward executor process died (exit code {self._proc.poll()})") from e
+            raise ExecutorDied(f"forward executor process died (exit code {self._exit_code()})") from e
         self._seq += 1
         return pending
 
@@ -240,7 +241,7 @@ class ProcessExecutor:
         try:
             res: _Result = self._conn.recv()
         except (EOFError, OSError):
-            raise ExecutorDied(f"forward executor process died (exit code {self._proc.wait(5)})") from None
+            raise ExecutorDied(f"forward executor process died (exit code {self._exit_code()})") from None
         self._next_result += 1
         if pending.slot is not None:
             self._free.append(pending.slot)
@@ -249,6 +250,12 @@ class ProcessExecutor:
         if res.error is not None:
             raise res.error
         return res.output
+
+    def _exit_code(self) -> int | None:
+        try:
+            return self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # its socket closed but it has not exited yet
+            return None
 
     def shutdown(self) -> None:
         try:
