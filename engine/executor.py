@@ -109,7 +109,7 @@ class _CudaCopier:
         return _DeviceStep(host, done, start, end, idle_total)  # nobody waits here
 
 
-def _to_host(out: ForwardOutput) -> HostOutput:
+def to_host(out: ForwardOutput) -> HostOutput:
     return HostOutput(*[t.tolist() if t is not None else None for t in (out.next_ids, out.logprobs, out.prompt_logprobs)])
 
 
@@ -129,7 +129,7 @@ class _Executor:
             if self._cuda is not None:
                 out = self._cuda.launch(lambda: self._forward(fb), self._idle_clock())
             else:
-                out = _to_host(self._forward(fb))
+                out = to_host(self._forward(fb))
                 self.stats.record(start, time.perf_counter(), self._idle_clock())
         except BaseException as e:  # surfaced to the loop through the future
             fut.set_exception(e)

@@ -23,6 +23,7 @@ thread executor runs its forwards.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -40,7 +41,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.executor import ExecutorDied, ExecutorStats, HostOutput
+from engine.executor import ExecutorDied, ExecutorStats, HostOutput, to_host
 from engine.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -154,9 +155,7 @@ def _child_main(fd: int) -> None:
         start = time.perf_counter()
         try:
             fb = _unstage(msg.batch, slots[msg.slot]) if msg.slot is not None else msg.batch
-            out = runner.forward(fb)
-            host = HostOutput(*[t.tolist() if t is not None else None
-                                for t in (out.next_ids, out.logprobs, out.prompt_logprobs)])
+            host = to_host(runner.forward(fb))
             result = _Result(msg.seq, host, None, start, time.perf_counter(), runner.comm_stats.wait_s)
         except BaseException as e:
             result = _Result(msg.seq, None, _portable(e), start, time.perf_counter(), runner.comm_stats.wait_s)
@@ -258,10 +257,8 @@ class ProcessExecutor:
             return None
 
     def shutdown(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # a child that is already gone needs no stop message
             self._conn.send(None)
-        except OSError:
-            pass  # already gone
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

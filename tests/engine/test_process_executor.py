@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import fields, is_dataclass
 
 import pytest
 import torch
@@ -31,8 +32,6 @@ def _decode_batch(b: int, s: int) -> ForwardBatch:
 
 def _tensors(v, prefix=""):
     """Every tensor in a batch (dataclasses and tuples, recursively), by path."""
-    from dataclasses import fields, is_dataclass
-
     if isinstance(v, torch.Tensor):
         return {prefix: v}
     out = {}
