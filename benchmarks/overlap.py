@@ -12,7 +12,10 @@ executor idle fraction (gaps between consecutive forwards while work was pending
 executor's busy span). `bound` = 1 / (1 - idle fraction off): the most any overlap can gain, since
 it can only remove the normal loop's gaps; a forward that itself runs on the CPU cannot shrink.
 
-    python benchmarks/overlap.py [--requests 256] [--repeats 5] [--executors process,thread]
+On CUDA, single-rank decode steps replay CUDA graphs (`cuda_graph_max_bs`), so a decode forward
+costs the host a few buffer copies; `--executors thread,process` compares the two executors there.
+
+    python benchmarks/overlap.py [--requests 256] [--repeats 5] [--executors process,thread] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -88,8 +91,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="rounds per workload (median ratio reported)")
     ap.add_argument("--executors", default="process,thread",
                     help="overlap executors to compare with the normal loop (`process` needs a CPU)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: bfloat16 on CUDA (grouped expert GEMMs, decode CUDA graphs), float32 on CPU")
     ap.add_argument("--out", default="overlap.json")
     args = ap.parse_args()
+    if args.dtype == "auto":
+        import torch
+
+        args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     rng = random.Random(0)
     executors = args.executors.split(",")
     results = {}
@@ -120,7 +129,7 @@ def main() -> None:
                 configs = ["off", *executors]
                 configs = configs[i % len(configs):] + configs[:i % len(configs)]
                 r = {c: fn(model, prompts, mt, c != "off", forward_executor="auto" if c == "off" else c,
-                            kv_cache_tokens=65536, max_running_requests=256) for c in configs}
+                            kv_cache_tokens=65536, max_running_requests=256, dtype=args.dtype) for c in configs}
                 rounds.append(r)
             for ex in executors:
                 ratios = sorted((r[ex]["tok_s"] / r["off"]["tok_s"], j) for j, r in enumerate(rounds))

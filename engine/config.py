@@ -10,8 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-_PROCESS_EXECUTOR_ERROR = ("forward_executor: `process` runs one CPU rank's forwards; with ep_size > 1 "
-                           "or on CUDA use `thread` (or `auto`)")
+_PROCESS_EXECUTOR_ERROR = ("forward_executor: `process` runs the forwards of a single rank; with ep_size > 1 "
+                           "use `thread` (or `auto`): the MoE process groups live in the rank's process")
 
 
 class EngineConfig(BaseModel):
@@ -25,14 +25,21 @@ class EngineConfig(BaseModel):
 
     enable_overlap_schedule: bool = True
     forward_executor: Literal["auto", "thread", "process"] = Field("auto", description=(
-        "where the overlap loop runs its forwards: `thread` (a worker thread; on CUDA it only "
-        "launches onto its own stream) or `process` (a child process owning the model: on CPU the "
-        "forward is CPU work, and in a thread it shares the GIL with the scheduler). `auto`: "
-        "process for one CPU rank, thread otherwise; `process` needs one CPU rank"))
+        "where the overlap loop runs its forwards: `thread` (a worker thread; on CUDA it launches "
+        "onto its own stream) or `process` (a child process owning the model, so the forward's "
+        "Python (CPU tensor work, or CUDA kernel launches) does not share the GIL with the "
+        "scheduler). `auto`: process for one CPU rank, thread otherwise; `process` needs ep_size 1"))
+    cuda_graph_max_bs: int = Field(256, ge=0, description=(
+        "CUDA: decode steps of up to this many requests replay captured graphs (0: off); one rank "
+        "(ep_size 1) without TBO/SBO and with the torch expert runner"))
     enable_two_batch_overlap: bool = False
     enable_single_batch_overlap: bool = False
     moe_a2a_backend: Literal["auto", "none", "torch", "deepep"] = "auto"
     deepep_mode: Literal["auto", "normal", "low_latency"] = "auto"
+    deepep_ll_max_tokens: int | None = Field(None, ge=1, description=(
+        "DeepEP low-latency buffers: the most tokens one rank dispatches in a step; default "
+        "max_running_requests (a rank's largest decode batch). Under `auto`, a decode step where "
+        "any rank has more runs the normal kernels"))
     moe_runner_backend: Literal["auto", "torch", "deep_gemm"] = "auto"
     tbo_token_distribution_threshold: float = Field(0.48, gt=0.0, lt=0.5)
     tbo_min_tokens: int = Field(2, ge=2, description="below this many tokens on a rank TBO falls back")
@@ -43,6 +50,10 @@ class EngineConfig(BaseModel):
     page_size: int = Field(16, ge=1)
     kv_cache_tokens: int | None = Field(None, ge=1, description="KV pool size in tokens; default from memory budget")
     kv_cache_memory_bytes: int | None = Field(None, ge=1, description="memory budget for the KV pool")
+    kv_cache_memory_fraction: float = Field(0.85, gt=0, le=1, description=(
+        "CUDA, when neither kv_cache_tokens nor kv_cache_memory_bytes is set: the share of device "
+        "memory still free once weights and communication buffers are loaded that the KV pool "
+        "takes (the rest is for activations)"))
     max_model_len: int | None = Field(None, ge=1, description="context limit; defaults to the model's")
     enable_prefix_caching: bool = True
     schedule_policy: Literal["fcfs", "priority"] = "fcfs"
@@ -64,8 +75,8 @@ class EngineConfig(BaseModel):
         return "deepep" if deepep_available() else "torch"
 
     @model_validator(mode="after")
-    def _process_executor_is_single_cpu_rank(self) -> EngineConfig:
-        if self.forward_executor == "process" and (self.ep_size > 1 or self.device == "cuda"):
+    def _process_executor_is_single_rank(self) -> EngineConfig:
+        if self.forward_executor == "process" and self.ep_size > 1:
             raise ValueError(_PROCESS_EXECUTOR_ERROR)
         return self
 
@@ -76,12 +87,13 @@ class EngineConfig(BaseModel):
 
         if not self.enable_overlap_schedule or envs.disable_overlap_schedule():
             return "inline"
-        single_cpu = self.ep_size == 1 and self.resolved_device == "cpu"
         if self.forward_executor == "auto":
-            return "process" if single_cpu else "thread"
-        if self.forward_executor == "process" and not single_cpu:
-            raise ValueError(_PROCESS_EXECUTOR_ERROR)  # device `auto` resolved to CUDA
+            return "process" if self.ep_size == 1 and self.resolved_device == "cpu" else "thread"
         return self.forward_executor
+
+    @property
+    def resolved_deepep_ll_max_tokens(self) -> int:
+        return self.deepep_ll_max_tokens or self.max_running_requests
 
     @property
     def resolved_device(self) -> str:

@@ -13,7 +13,6 @@ work an idle batch of zero tokens, because every MoE layer is a collective.
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
@@ -27,7 +26,6 @@ from engine.config import EngineConfig
 from engine.executor import ExecutorDied, HostOutput, InlineExecutor, ThreadExecutor
 from engine.forward_batch import ForwardMode
 from engine.lockstep import Lockstep
-from engine.mem.pool import MLATokenPool
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_model_config, resolve_model_path
 from engine.outputs import RequestOutput
@@ -36,7 +34,7 @@ from engine.process_executor import ProcessExecutor, RunnerSpec
 from engine.request import Req
 from engine.sampling_params import SamplingParams
 from engine.sched.batch import ScheduledBatch, idle_batch
-from engine.sched.scheduler import Scheduler
+from engine.sched.scheduler import FutureIds, Scheduler
 from engine.tbo import make_children, plan_split
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -89,23 +87,6 @@ class _Abort:
     rid: str
 
 
-def _kv_pages(config: EngineConfig, hf, max_model_len: int, device: str, dtype: torch.dtype) -> int:
-    P = config.page_size
-    if config.kv_cache_tokens is not None:
-        tokens = config.kv_cache_tokens
-    else:
-        per_token = MLATokenPool.bytes_per_token(hf.num_hidden_layers, hf.kv_lora_rank, hf.qk_rope_head_dim, dtype)
-        if config.kv_cache_memory_bytes is not None:
-            budget = config.kv_cache_memory_bytes
-        elif device == "cuda":
-            free, _ = torch.cuda.mem_get_info()
-            budget = int(free * 0.85)
-        else:
-            budget = 512 << 20
-        tokens = min(budget // per_token, config.max_running_requests * max_model_len)
-    return math.ceil(tokens / P) + 1  # + the reserved padding page
-
-
 class Engine:
     def __init__(self, config: EngineConfig, parallel: ParallelContext = SINGLE_RANK) -> None:
         self.config = config
@@ -119,10 +100,6 @@ class Engine:
         self.eos_ids = {hf.eos_token_id} if isinstance(hf.eos_token_id, int) else set(hf.eos_token_id or ())
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
-        num_pages = _kv_pages(config, hf, self.max_model_len, config.resolved_device, dtype)
-        self.scheduler = Scheduler(config, num_pages, self.max_model_len, self.vocab_size)
-        self.kv_capacity_tokens = self.scheduler.allocator.capacity * config.page_size
         executor = config.resolved_forward_executor
         self.overlap = executor != "inline"
         self._idle_time = 0.0  # time the loop spent blocked with nothing to do
@@ -131,17 +108,22 @@ class Engine:
             return self._idle_time
 
         # With the process executor the model lives in the child; this process only schedules.
+        # The runner sizes the KV pool once its weights are loaded; the scheduler follows it.
         self.runner: ModelRunner | None = None
+        future_capacity = FutureIds.capacity_for(config.max_running_requests)
         if executor == "process":
-            spec = RunnerSpec(config, str(path), self.max_model_len, num_pages, self.scheduler.futures.capacity)
+            spec = RunnerSpec(config, str(path), self.max_model_len, future_capacity)
             self.executor = ProcessExecutor(spec, idle_clock)
+            num_pages = self.executor.num_pages
         else:
-            self.runner = ModelRunner(config, hf, path, parallel, self.max_model_len, num_pages,
-                                      self.scheduler.futures.capacity)
+            self.runner = ModelRunner(config, hf, path, parallel, self.max_model_len, future_capacity)
+            num_pages = self.runner.num_pages
             if executor == "thread":
                 self.executor = ThreadExecutor(self.runner.forward, self.runner.device, idle_clock)
             else:
                 self.executor = InlineExecutor(self.runner.forward, idle_clock)
+        self.scheduler = Scheduler(config, num_pages, self.max_model_len, self.vocab_size)
+        self.kv_capacity_tokens = self.scheduler.allocator.capacity * config.page_size
         self.model = self.runner.model if self.runner is not None else None
         self.lockstep = Lockstep(parallel, config)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -299,6 +281,7 @@ class Engine:
             step = ScheduledBatch(ForwardMode.IDLE, [], [], [], [], [], fb)
         fb.global_num_tokens = [h.num_tokens for h in headers]
         fb.can_run_tbo = self.lockstep.can_run_tbo(headers)
+        fb.moe_a2a_mode = self.lockstep.group_a2a_mode(headers)
         if fb.can_run_tbo:
             fb.tbo_children = make_children(fb, plan_split(fb, self.config.tbo_token_distribution_threshold))
             self._counters["tbo_steps"] += 1

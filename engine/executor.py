@@ -10,7 +10,8 @@ device, so it needs nothing from the host); `wait()`, called where the engine pr
 is the only place that blocks on that event.
 
 For one CPU rank the overlap loop uses `ProcessExecutor` instead (`engine/process_executor.py`):
-same contract, but the forward runs in a child process with a GIL of its own.
+same contract, but the forward runs in a child process with a GIL of its own (a single CUDA rank
+may choose it too, to take the forward's kernel launches off the scheduler's GIL).
 
 All record per-step timing: forward time, and the idle gap between consecutive steps while the
 engine had work (the "bubble" the overlap loop exists to remove). On CUDA both come from timing

@@ -83,6 +83,9 @@ class ForwardBatch:
     extend_lens: list[int] = field(default_factory=list)
     # the two micro-batches of a TBO step (token ranges [0, t) and [t, T)), set after agreement
     tbo_children: tuple[ForwardBatch, ForwardBatch] | None = None
+    # DeepEP `auto`: "normal" or "low_latency", agreed by the whole group for this step (None: a
+    # single rank, or a mode fixed by the config)
+    moe_a2a_mode: str | None = None
 
     @property
     def num_tokens(self) -> int:

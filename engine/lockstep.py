@@ -62,6 +62,19 @@ class Lockstep:
     def all_stopping(headers: list[StepHeader]) -> bool:
         return all(h.stopping for h in headers)
 
+    def group_a2a_mode(self, headers: list[StepHeader]) -> str | None:
+        """DeepEP `auto`: the kernels every rank runs this step. All ranks decide it from the same
+        headers, never each from its own batch: a prefilling rank (normal kernels) and a decoding
+        or idle one (low-latency kernels) would never meet in the collective. Low-latency only when
+        no rank extends and every rank's tokens fit the low-latency buffers."""
+        if self.config.deepep_mode != "auto":
+            return None
+        if any(h.mode == int(ForwardMode.EXTEND) for h in headers):
+            return "normal"
+        if max(h.num_tokens for h in headers) > self.config.resolved_deepep_ll_max_tokens:
+            return "normal"
+        return "low_latency"
+
     def can_run_tbo(self, headers: list[StepHeader]) -> bool:
         """TBO only when every rank can split its batch the same way: same mode, enough tokens,
         and not an extend step with low-latency DeepEP (whose buffers hold one decode batch)."""

@@ -1,4 +1,4 @@
-"""The overlap loop's forward executor in a process of its own (CPU, one rank).
+"""The overlap loop's forward executor in a process of its own (one rank: the default on CPU).
 
 On CPU the forward is itself CPU work. In a thread it shares the GIL with the scheduler: each of
 its several hundred tensor ops must take the GIL back when it returns, and waits while the
@@ -16,6 +16,14 @@ the step on views of that slot and answers with the host results and the step's 
 and answer in launch order. A slot is reused only after its step's answer has been received, so
 the child never reads a slot the parent is refilling. A tensor that does not fit goes through the
 socket instead (slower, still correct).
+
+On CUDA (chosen with `forward_executor="process"`) the same holds for the forward's kernel launches:
+without CUDA graphs a decode step of a small model is hundreds of Python-launched kernels, which in
+a thread hold the GIL the scheduler needs. The child pins the arena (`cudaHostRegister`), so its
+copies to the device are asynchronous, and answers once the step's results are on the host.
+
+The child sizes the KV pool once its weights are loaded and reports the page count; the parent's
+scheduler is built from it.
 
 Not used with expert parallelism: a rank's MoE process groups live in its own process, where the
 thread executor runs its forwards.
@@ -58,7 +66,6 @@ class RunnerSpec:
     config: EngineConfig
     model_path: str
     max_model_len: int
-    num_pages: int
     future_capacity: int
 
 
@@ -126,6 +133,14 @@ def _portable(e: BaseException) -> BaseException:
         return RuntimeError(f"forward failed in the executor process: {e!r}\n{text}")
 
 
+def _pin(arena: torch.Tensor) -> None:
+    """Page-lock the arena for the device (it is the child's pinned host memory), so each step's
+    host-to-device copies run asynchronously; unpinned, they are merely synchronous."""
+    err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+    if int(err) != 0:
+        logger.warning("could not pin the staging arena (cudaError %d); batches copy synchronously", int(err))
+
+
 def _child_main(fd: int) -> None:
     """The executor process: build the runner, then run launched steps in order until told to stop
     or until the parent goes away (the socket reports EOF)."""
@@ -139,11 +154,13 @@ def _child_main(fd: int) -> None:
         arena_path, spec = conn.recv()
         arena = torch.from_file(arena_path, shared=True, size=NUM_SLOTS * SLOT_BYTES, dtype=torch.uint8)
         runner = ModelRunner(spec.config, load_model_config(spec.model_path), spec.model_path, SINGLE_RANK,
-                             spec.max_model_len, spec.num_pages, spec.future_capacity)
+                             spec.max_model_len, spec.future_capacity)
+        if runner.device.type == "cuda":
+            _pin(arena)
     except BaseException as e:
         conn.send(_portable(e))
         return
-    conn.send(None)  # ready
+    conn.send(runner.num_pages)  # ready; the parent's scheduler sizes its page table from it
     slots = arena.view(NUM_SLOTS, SLOT_BYTES)
     while True:
         try:
@@ -215,12 +232,13 @@ class ProcessExecutor:
             proc.wait()
             raise RuntimeError(f"forward executor process did not start within {timeout_s:.0f}s")
         try:
-            err = self._conn.recv()
+            ready = self._conn.recv()
         except (EOFError, OSError):
             raise RuntimeError(f"forward executor process exited at start (exit code {proc.wait()})") from None
-        if err is not None:
+        if isinstance(ready, BaseException):
             proc.wait()
-            raise err
+            raise ready
+        self.num_pages: int = ready
         return proc
 
     def launch(self, fb: ForwardBatch) -> _Pending:

@@ -3,7 +3,9 @@
 Random draws use the exponential-race trick (argmax of p / E with E ~ Exp(1)), which samples
 exactly from p. A request with a seed draws its noise from a generator seeded by
 (seed, index of the token in its output), so its tokens do not depend on its batch mates, on
-retraction/recompute, or on scheduling.
+retraction/recompute, or on scheduling. The noise is drawn on the logits' device (generators there
+too): on CUDA a host draw of [B, vocab] plus its copy would cost the forward tens of ms per step.
+A seed therefore reproduces its tokens on the same kind of device.
 """
 
 from __future__ import annotations
@@ -14,15 +16,15 @@ from engine.forward_batch import SamplingInfo
 
 
 def _noise(vocab: int, seeds: list[int | None], output_index: list[int], device, fallback: torch.Generator) -> torch.Tensor:
-    """Exp(1) noise [B, vocab]: unseeded rows in one draw from the engine generator, seeded rows
-    each from a generator keyed by (seed, output index)."""
-    e = torch.empty(len(seeds), vocab, dtype=torch.float32).exponential_(generator=fallback)
+    """Exp(1) noise [B, vocab] on `device`: unseeded rows in one draw from the engine generator
+    (on `device`), seeded rows each from a generator keyed by (seed, output index)."""
+    e = torch.empty(len(seeds), vocab, dtype=torch.float32, device=device).exponential_(generator=fallback)
     for row, (seed, idx) in enumerate(zip(seeds, output_index)):
         if seed is not None:
-            g = torch.Generator(device="cpu")
+            g = torch.Generator(device=device)
             g.manual_seed((seed * 1_000_003 + idx) & 0x7FFF_FFFF_FFFF_FFFF)
             e[row].exponential_(generator=g)
-    return e.to(device)
+    return e
 
 
 def sample(logits: torch.Tensor, info: SamplingInfo, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:

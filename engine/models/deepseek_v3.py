@@ -194,7 +194,7 @@ class RoutedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n, hidden, inter), requires_grad=False)
         self.w13_scale: nn.Parameter | None = None
         self.w2_scale: nn.Parameter | None = None
-        self.loaded = torch.zeros(n, 3, dtype=torch.bool)
+        self.loaded = torch.zeros(n, 3, dtype=torch.bool, device="cpu")  # bookkeeping: on the host even under "meta"
 
     def keep_fp8(self, block: int = 128) -> None:
         if self.inter % block:
@@ -206,7 +206,7 @@ class RoutedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n, self.hidden, self.inter, dtype=fp8), requires_grad=False)
         self.w13_scale = nn.Parameter(torch.empty(n, 2 * cdiv(self.inter), cdiv(self.hidden)), requires_grad=False)
         self.w2_scale = nn.Parameter(torch.empty(n, cdiv(self.hidden), cdiv(self.inter)), requires_grad=False)
-        self.loaded = torch.zeros(n, 6, dtype=torch.bool)
+        self.loaded = torch.zeros(n, 6, dtype=torch.bool, device="cpu")
 
     def owns(self, global_expert: int) -> bool:
         return self.expert_range[0] <= global_expert < self.expert_range[1]

@@ -37,8 +37,13 @@ class FutureIds:
     """
 
     def __init__(self, max_running: int) -> None:
-        self.capacity = 3 * max_running + 2
+        self.capacity = self.capacity_for(max_running)
         self._next = 1  # slot 0 unused: a future id is -slot, strictly negative
+
+    @staticmethod
+    def capacity_for(max_running: int) -> int:
+        """Ring size (the device FutureMap is allocated with the same)."""
+        return 3 * max_running + 2
 
     def take(self, n: int) -> list[int]:
         out = []

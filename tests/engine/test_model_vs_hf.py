@@ -85,3 +85,17 @@ def test_decode_logprobs_match_hf(tmp_path):
         full = p + o.token_ids
         ref = hf_prompt_logprobs(path, [full])[0][len(p) - 1 :]
         assert max(abs(a - b) for a, b in zip(ref, o.logprobs)) < 1e-4
+
+
+def test_prompt_logprobs_in_row_chunks_match_hf(tmp_path, monkeypatch):
+    """Long prompts' logprobs are computed a chunk of rows at a time; chunk edges change nothing."""
+    import engine.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "_LOGPROB_ROWS", 7)  # the runner is in this process (thread executor)
+    path = make_random_dsv3_checkpoint(tmp_path / "chunks", seed=11)
+    prompts = _prompts(500, [37, 5, 64, 2])
+    ref = hf_prompt_logprobs(path, prompts)
+    got = ours(path, prompts, forward_executor="thread")
+    for r, g in zip(ref, got):
+        assert len(r) == len(g)
+        assert max(abs(a - b) for a, b in zip(r, g)) < 1e-4

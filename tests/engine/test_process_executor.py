@@ -16,6 +16,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.forward_batch import AttentionMetadata, ForwardBatch, ForwardMode
+from engine.mem.pool import MLATokenPool
 from engine.process_executor import _stage, _Staged, _unstage
 from engine.tbo import make_children, plan_split
 
@@ -74,9 +75,29 @@ def test_forward_executor_resolution():
     assert EngineConfig(forward_executor="thread").resolved_forward_executor == "thread"
     assert EngineConfig(enable_overlap_schedule=False).resolved_forward_executor == "inline"
     assert EngineConfig(ep_size=2).resolved_forward_executor == "thread"  # MoE groups live in the rank's process
-    for bad in (dict(ep_size=2), dict(device="cuda")):
-        with pytest.raises(ValueError, match="forward_executor"):
-            EngineConfig(forward_executor="process", **bad)
+    assert EngineConfig(device="cuda").resolved_forward_executor == "thread"
+    # chosen explicitly, a single CUDA rank's forwards may run in a child too (kernel launches off the GIL)
+    assert EngineConfig(device="cuda", forward_executor="process").resolved_forward_executor == "process"
+    with pytest.raises(ValueError, match="forward_executor"):
+        EngineConfig(forward_executor="process", ep_size=2)
+
+
+def test_the_child_sizes_the_kv_pool_and_the_scheduler_follows():
+    """The runner sizes its KV pool once its weights are loaded (on CUDA the default budget is a
+    share of the memory then still free); in process mode that happens in the child, and the
+    parent's page allocator must be exactly as large as the child's pool."""
+    budget = 3 << 20
+    llm = LLM(model="tiny-dsv3", kv_cache_memory_bytes=budget)
+    try:
+        hf = llm.engine.hf_config
+        per_token = MLATokenPool.bytes_per_token(hf.num_hidden_layers, hf.kv_lora_rank, hf.qk_rope_head_dim,
+                                                 torch.float32)
+        pages = llm.engine.executor.num_pages
+        assert pages == -(-(budget // per_token) // 16) + 1
+        assert llm.engine.scheduler.allocator.capacity == pages - 1  # less the reserved padding page
+        assert llm.engine.kv_capacity_tokens == (pages - 1) * 16
+    finally:
+        llm.shutdown()
 
 
 def test_failed_step_fails_its_requests_and_the_engine_goes_on():
