@@ -1,9 +1,15 @@
-"""Shared test helpers: small random DeepSeek-V3 checkpoints for HF-oracle comparisons."""
+"""Shared test helpers: small random DeepSeek-V3 checkpoints for HF-oracle comparisons, and a
+local Ray start that survives a slow machine."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import os
 import shutil
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +106,44 @@ def _randomize(model: torch.nn.Module, config: Any, gen: torch.Generator) -> Non
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             b.copy_((torch.rand(b.shape, generator=gen) - 0.5) * 0.2)
+
+
+def _descendants() -> set[int]:
+    """Pids of this process's descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [os.getpid()]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.add(c)
+            todo.append(c)
+    return found
+
+
+def init_local_ray(attempts: int = 3, **kwargs: Any) -> None:
+    """`ray.init(address="local", **kwargs)`, started again if the new node does not register in
+    time. Ray gives a raylet a fixed 30 s to register with the GCS; on a loaded 2-core CI machine
+    (the previous module's cluster still exiting) that can run out. The processes of a failed
+    start are killed before the next (Ray keeps no handle on them). A start that fails for any
+    other reason raises at once."""
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        before = _descendants()
+        try:
+            ray.init(address="local", **kwargs)
+            return
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == attempts:
+                raise
+            logging.getLogger(__name__).warning("local Ray start %d timed out; starting again", attempt)
+            ray.shutdown()
+            for pid in _descendants() - before:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(5)

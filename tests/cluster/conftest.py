@@ -8,6 +8,8 @@ import pytest
 # in every worker whatever directory pytest was started from.
 from cluster_testing import _HERE, _ROOT, LOOPBACK, ray_runtime_env  # noqa: F401
 
+from tests.helpers import init_local_ray
+
 
 @pytest.fixture(scope="module")
 def local_ray():
@@ -16,8 +18,7 @@ def local_ray():
     import ray
 
     sys.path[:0] = [p for p in (_ROOT, _HERE) if p not in sys.path]
-    ray.init(
-        address="local",
+    init_local_ray(
         num_cpus=4,
         _node_ip_address="127.0.0.1",
         include_dashboard=False,

@@ -22,6 +22,7 @@ import yaml
 from ray import serve
 
 from serving.config import ServingConfig
+from tests.helpers import init_local_ray
 
 openai = pytest.importorskip("openai")
 
@@ -39,9 +40,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server() -> Any:
     http_port, metrics_port = _free_port(), _free_port()
-    # address="local": never attach to a cluster someone else started on this machine.
-    ray.init(
-        address="local",
+    # a fresh local instance (address="local"): never one someone else started on this machine
+    init_local_ray(
         num_cpus=2,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
