@@ -39,17 +39,18 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server() -> Any:
-    http_port, metrics_port = _free_port(), _free_port()
+    http_port = _free_port()
     # a fresh local instance (address="local"): never one someone else started on this machine
     init_local_ray(
         num_cpus=2,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
-        _metrics_export_port=metrics_port,
         # Export every second (default 10 s) so the metric checks below see fresh values quickly.
         _system_config={"metrics_report_interval_ms": 1000},
         runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
     )
+    # the port Ray chose for the node's Prometheus endpoint (choosing one here could race Ray's own)
+    metrics_port = ray._private.worker.global_worker.node.metrics_export_port
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     args = yaml.safe_load(TINY.read_text())["applications"][0]["args"]
     config = ServingConfig.from_args(args)
