@@ -75,3 +75,11 @@ def ranks_to_bundles(nodes: Sequence[str]) -> list[int]:
     for i, node in enumerate(nodes):
         first_seen.setdefault(node, i)
     return sorted(range(len(nodes)), key=lambda i: (first_seen[nodes[i]], i))
+
+
+def group_rank(gang_rank: int, replica_nodes: Sequence[str]) -> int:
+    """The EP rank of the Serve replica with rank `gang_rank` in its gang, given each gang
+    replica's node (by gang rank). Serve places gang rank i on bundle i, and PACK does not keep a
+    node's bundles contiguous, so EP ranks are the gang ranks renumbered by `ranks_to_bundles`:
+    ranks sharing a node are contiguous and gang rank 0 stays EP rank 0."""
+    return ranks_to_bundles(replica_nodes).index(gang_rank)

@@ -32,6 +32,27 @@ DEFAULT_HEALTH_CHECK_TIMEOUT_S = 10.0
 RankReportHook = Callable[[Mapping[str, Any], Mapping[str, str]], None]
 
 
+def _ep_rank(gang: Any) -> tuple[int, bool]:
+    """This replica's EP rank: its gang rank renumbered so that the ranks on one node are
+    contiguous (`cluster.placement.group_rank`), from the nodes of the gang's placement group.
+    Every member reads the same table, so the group agrees on the numbering. Second: whether the
+    table could be read (if not, EP ranks are the gang ranks)."""
+    from ray.util import get_placement_group
+
+    from cluster.placement import bundle_nodes, group_rank
+
+    try:
+        nodes = bundle_nodes(get_placement_group(gang.pg_name)) if gang.pg_name else []
+    except ValueError:
+        nodes = []
+    per_replica, rest = divmod(len(nodes), gang.world_size)
+    if not nodes or rest:
+        logger.warning("gang %s: placement group %r not readable as %d replicas' bundles; EP ranks "
+                       "follow gang ranks", gang.gang_id, gang.pg_name, gang.world_size)
+        return gang.rank, False
+    return group_rank(gang.rank, nodes[::per_replica]), True
+
+
 class EPRankDeployment:
     """One rank of one gang. Decorated with `serve.deployment` by `build_rank_app`, so the same
     class can be deployed with any options (and tests can inject an engine stand-in)."""
@@ -52,8 +73,9 @@ class EPRankDeployment:
         )
         ctx = serve.get_replica_context()
         gang = ctx.gang_context
+        self._ranks_by_node = False
         if gang is not None:
-            rank, world_size, gang_id = gang.rank, gang.world_size, gang.gang_id
+            (rank, self._ranks_by_node), world_size, gang_id = _ep_rank(gang), gang.world_size, gang.gang_id
         elif config.ep_size == 1:
             rank, world_size, gang_id = 0, 1, ctx.replica_id.unique_id
         else:
@@ -68,7 +90,9 @@ class EPRankDeployment:
             "gang_rank": str(rank),
             "rank_replica": ctx.replica_id.unique_id,
         }
-        logger.info("EP rank %d/%d of gang %s starting", rank, world_size, gang_id)
+        logger.info("EP rank %d/%d of gang %s starting (gang rank %s)", rank, world_size, gang_id,
+                    gang.rank if gang is not None else 0)
+        self._gang_rank = gang.rank if gang is not None else 0
         # Rendezvous and model load block for long: keep the replica's event loop free meanwhile.
         self._rank = await asyncio.to_thread(
             EPRank,
@@ -103,8 +127,10 @@ class EPRankDeployment:
         return self._rank.load()
 
     async def info(self) -> dict[str, Any]:
-        """`RankInfo` fields, plus the replica's actor name (namespace "serve") for operators."""
-        return {**dataclasses.asdict(self._rank.info()), "replica_actor": self._replica_actor}
+        """`RankInfo` fields, plus for operators the replica's actor name (namespace "serve"), its gang
+        rank, and whether its EP rank was renumbered from the gang's placement group."""
+        return {**dataclasses.asdict(self._rank.info()), "replica_actor": self._replica_actor,
+                "gang_rank": self._gang_rank, "ranks_by_node": self._ranks_by_node}
 
     def check_health(self) -> None:
         # Runs on the replica's event loop: the engine's check is a few attribute reads.

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.placement import rank_bundle, ranks_to_bundles
+from cluster.placement import group_rank, rank_bundle, ranks_to_bundles
 
 
 def test_rank_bundle_shapes():
@@ -17,6 +17,16 @@ def test_ranks_to_bundles_keeps_ranks_of_a_node_contiguous():
     assert ranks_to_bundles(["a", "b", "a", "b"]) == [0, 2, 1, 3]
     assert ranks_to_bundles(["b", "a", "a", "b"]) == [0, 3, 1, 2]
     assert ranks_to_bundles(["a", "a"]) == [0, 1]
+
+
+def test_group_rank_renumbers_gang_ranks_node_contiguously():
+    # Serve's PACK placed gang ranks 0..3 on nodes a, b, a, b: EP ranks 0, 1 must share node a.
+    nodes = ["a", "b", "a", "b"]
+    ep = [group_rank(g, nodes) for g in range(4)]
+    assert ep == [0, 2, 1, 3]
+    assert [nodes[ep.index(r)] for r in range(4)] == ["a", "a", "b", "b"]
+    assert group_rank(0, ["b", "a", "a", "b"]) == 0  # gang rank 0 (the rendezvous master) stays 0
+    assert sorted(group_rank(g, ["x"] * 8) for g in range(8)) == list(range(8))
 
 
 def test_two_rank_gang_spreads_over_two_one_cpu_nodes_and_forms_a_group(monkeypatch):

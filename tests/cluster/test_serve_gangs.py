@@ -92,6 +92,9 @@ def test_two_gangs_each_with_ranks_0_and_1(serve_app):
     assert len(gangs) == 2
     for members in gangs.values():
         assert [m["rank"] for m in members] == [0, 1]
+        # one node: the EP ranks read from the gang's placement group equal the gang ranks
+        assert [m["gang_rank"] for m in members] == [0, 1]
+        assert all(m["ranks_by_node"] for m in members)
         assert all(m["world_size"] == 2 and m["model"] == "tiny-dsv3" for m in members)
         assert all(m["peak_rss_bytes"] > 0 for m in members)
 
