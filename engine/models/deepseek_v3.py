@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.forward_batch import AttentionMetadata, ForwardBatch, ForwardMode
 from engine.layers.rotary import RotaryEmbedding
 from engine.mem.pool import MLATokenPool
 from engine.moe.base import Dispatcher, ExpertRunner
@@ -114,10 +114,15 @@ class MLAttention(nn.Module):
         if T == 0:
             return q_nope.new_zeros(0, self.o_proj.out_features)
         md = fb.attn
-        kv = pool.gather(self.layer_id, md.kv_indices)  # [B, S, kv_lora + rope]
-        c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w.split([self.nope_dim, self.v_dim], dim=1)
+        if fb.forward_mode == ForwardMode.DECODE and (plan := decode_plan(fb, pool.buf.shape[-1])) is not None:
+            q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)
+            o_lat = self._decode_split_kv(q_lat, q_pe, md, pool, *plan)
+            out = torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
+            return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
+        kv = pool.gather(self.layer_id, md.kv_indices)  # [B, S, kv_lora + rope]
+        c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         if fb.forward_mode == ForwardMode.DECODE:
             # absorbed: one query per request, T == B
             q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)
@@ -140,6 +145,76 @@ class MLAttention(nn.Module):
             out = q_nope.new_empty(T, self.num_heads, self.v_dim)
             out[md.q_index[md.q_valid]] = o.transpose(1, 2)[md.q_valid]
         return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
+
+    def _decode_split_kv(self, q_lat: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata,
+                         pool: MLATokenPool, order: list[int], chunks: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Absorbed decode attention over key chunks with an online softmax (float32 running max,
+        sum and output). Rows are taken longest first, so a chunk's rows are a prefix of that
+        order and a row stops costing anything after its last key's chunk. Returns o_lat
+        [B, H, kv_lora] in the original row order."""
+        B, H = q_lat.shape[:2]
+        perm = torch.tensor(order, dtype=torch.int64, device=q_lat.device)
+        q_lat, q_pe = q_lat[perm], q_pe[perm]
+        kv_indices, kv_mask = md.kv_indices[perm], md.kv_mask[perm]
+        f32 = dict(dtype=torch.float32, device=q_lat.device)
+        m = torch.full((B, H), float("-inf"), **f32)
+        denom = torch.zeros(B, H, **f32)
+        acc = torch.zeros(B, H, self.kv_lora_rank, **f32)
+        for start, end, n in chunks:
+            kv = pool.gather(self.layer_id, kv_indices[:n, start:end])
+            c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            scores = torch.einsum("bhc,bsc->bhs", q_lat[:n], c_kv) + torch.einsum("bhr,bsr->bhs", q_pe[:n], k_pe)
+            scores = scores.float() * self.scale
+            scores.masked_fill_(~kv_mask[:n, None, start:end], float("-inf"))
+            # every row in a chunk has a real key there, so the new max is finite
+            m_new = torch.maximum(m[:n], scores.amax(-1))
+            rescale = torch.exp(m[:n] - m_new)
+            p = torch.exp(scores - m_new[..., None])
+            denom[:n] = denom[:n] * rescale + p.sum(-1)
+            acc[:n] = acc[:n] * rescale[..., None] + torch.einsum("bhs,bsc->bhc", p.to(c_kv.dtype), c_kv).float()
+            m[:n] = m_new
+        out = torch.empty_like(acc)
+        out[perm] = acc / denom[..., None]
+        return out.to(q_lat.dtype)
+
+
+# Decode attention gathers [rows, keys, kv_lora + rope] cached latents. Past this many elements
+# per gather it runs in key chunks instead of one pass padded to the longest request (one long
+# request among short ones would otherwise cost every row its length, in memory and in work).
+# Large on CUDA, where each chunk costs a dozen kernel launches; small on CPU, where it does not.
+DECODE_GATHER_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 24}
+_DECODE_MIN_CHUNK = 256
+
+
+def plan_decode_chunks(seq_lens: list[int], width: int, budget: int,
+                       min_chunk: int = _DECODE_MIN_CHUNK) -> tuple[list[int], list[tuple[int, int, int]]] | None:
+    """Split-KV plan for decode attention over requests of `seq_lens` keys: the row order
+    (longest first) and key chunks (start, end, rows), each chunk's rows being the longest `rows`
+    (those with a key at or past `start`), each chunk about `budget` elements of `width`. None when
+    one padded pass fits the budget."""
+    B, longest = len(seq_lens), max(seq_lens)
+    if B * longest * width <= budget:
+        return None
+    order = sorted(range(B), key=lambda i: -seq_lens[i])
+    desc = [seq_lens[i] for i in order]
+    chunks, start, n = [], 0, B
+    while start < longest:
+        while desc[n - 1] <= start:
+            n -= 1
+        end = min(longest, start + max(min_chunk, budget // (n * width)))
+        chunks.append((start, end, n))
+        start = end
+    return order, chunks
+
+
+def decode_plan(fb: ForwardBatch, width: int) -> tuple[list[int], list[tuple[int, int, int]]] | None:
+    """`plan_decode_chunks` for a decode batch, from its host-side lengths (a batch without them,
+    such as a CUDA graph's static one, runs one padded pass)."""
+    if not fb.prefix_lens or len(fb.prefix_lens) != fb.batch_size:
+        return None
+    budget = DECODE_GATHER_ELEMS.get(fb.attn.kv_indices.device.type, DECODE_GATHER_ELEMS["cuda"])
+    return plan_decode_chunks([p + e for p, e in zip(fb.prefix_lens, fb.extend_lens)], width, budget,
+                              _DECODE_MIN_CHUNK)
 
 
 class TopkRouter(nn.Module):

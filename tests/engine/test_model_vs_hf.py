@@ -99,3 +99,32 @@ def test_prompt_logprobs_in_row_chunks_match_hf(tmp_path, monkeypatch):
     for r, g in zip(ref, got):
         assert len(r) == len(g)
         assert max(abs(a - b) for a, b in zip(r, g)) < 1e-4
+
+
+def test_split_kv_decode_logprobs_match_hf(tmp_path, monkeypatch):
+    """Decode attention in key chunks with an online softmax (forced here with a tiny gather
+    budget: rows of four lengths, several chunks each) equals HF, as the one-pass form does."""
+    from engine.models import deepseek_v3
+
+    monkeypatch.setattr(deepseek_v3, "DECODE_GATHER_ELEMS", {"cpu": 1, "cuda": 1})
+    monkeypatch.setattr(deepseek_v3, "_DECODE_MIN_CHUNK", 8)
+    calls = []
+    split = deepseek_v3.MLAttention._decode_split_kv
+
+    def spy(self, *args):
+        calls.append(len(args[-1]))  # chunks
+        return split(self, *args)
+
+    monkeypatch.setattr(deepseek_v3.MLAttention, "_decode_split_kv", spy)
+    path = make_random_dsv3_checkpoint(tmp_path / "split", rope_parameters=YARN, seed=3)
+    prompts = _prompts(500, [11, 30, 3, 57])
+    llm = LLM(model=str(path), kv_cache_tokens=4096, page_size=4, forward_executor="thread")
+    try:
+        outs = llm.generate(prompt_token_ids=prompts,
+                            sampling_params=SamplingParams(max_tokens=12, logprobs=True, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    assert calls and max(calls) >= 8  # 57 + 11 keys in chunks of 8
+    for p, o in zip(prompts, outs):
+        ref = hf_prompt_logprobs(path, [p + o.token_ids])[0][len(p) - 1 :]
+        assert max(abs(a - b) for a, b in zip(ref, o.logprobs)) < 1e-4

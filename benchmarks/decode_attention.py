@@ -1,0 +1,106 @@
+"""Decode attention: split-KV (key chunks, online softmax, rows longest first) vs one pass padded
+to the longest request, in one run, on DeepSeek-V3's MLA shapes (kv_lora 512, rope 64, nope 128,
+v 128; `--heads` of the 128, since a rank's attention is not split by head).
+
+Workloads: `mixed` (one long request among short ones: the padded pass costs every row the long
+one's length) and `uniform` (equal lengths: no padding to save, so any cost of chunking shows).
+Reports median time per layer call, the ratio one-pass / split (> 1: split is faster), and the
+largest latent gather of each (elements of kv_lora + rope per gather).
+
+    python benchmarks/decode_attention.py [--heads 16] [--repeats 5] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.layers.rotary import RotaryEmbedding
+from engine.mem.pool import MLATokenPool
+from engine.models import deepseek_v3
+from engine.models.deepseek_v3 import MLAttention
+from engine.sched.batch import attention_metadata
+
+WORKLOADS = {
+    "mixed": [8192] + [256] * 63,
+    "uniform": [1024] * 64,
+    "long_tail": [4096, 2048] + [128] * 126,
+}
+
+
+def _batch(lens: list[int], pool: MLATokenPool, device: str, host_lens: bool) -> ForwardBatch:
+    B, page = len(lens), pool.page_size
+    rows, next_page = [], 1
+    for n in lens:  # each request its own pages, as the allocator would hand them out
+        pages = -(-n // page)
+        slots = (torch.arange(next_page, next_page + pages)[:, None] * page + torch.arange(page)).flatten()
+        rows.append(torch.nn.functional.pad(slots[:n], (0, max(lens) - n)))
+        next_page += pages
+    md = attention_metadata(ForwardMode.DECODE, torch.tensor(lens) - 1, torch.ones(B, dtype=torch.int64), torch.stack(rows))
+    fb = ForwardBatch(ForwardMode.DECODE, torch.zeros(B, dtype=torch.int64), torch.tensor(lens) - 1,
+                      torch.zeros(B, dtype=torch.int64), B, md, torch.arange(B), [True] * B, None,
+                      torch.zeros(B, dtype=torch.int64))
+    if host_lens:
+        fb.prefix_lens, fb.extend_lens = [n - 1 for n in lens], [1] * B
+    return fb.to(device)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="decode_attention.json")
+    args = ap.parse_args()
+    from transformers import DeepseekV3Config
+
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    cfg = DeepseekV3Config(num_attention_heads=args.heads)
+    attn = MLAttention(cfg, 0, RotaryEmbedding(cfg, max_positions=16384, interleave=True)).to(args.device, dtype)
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    results = {}
+    for name, lens in WORKLOADS.items():
+        pages = sum(-(-n // 16) for n in lens) + 1
+        pool = MLATokenPool(1, pages, 16, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, args.device)
+        pool.buf.normal_()
+        B = len(lens)
+        q_nope = torch.randn(B, args.heads, cfg.qk_nope_head_dim, device=args.device, dtype=dtype)
+        q_pe = torch.randn(B, args.heads, cfg.qk_rope_head_dim, device=args.device, dtype=dtype)
+        batches = {"one_pass": _batch(lens, pool, args.device, False), "split": _batch(lens, pool, args.device, True)}
+        times: dict[str, list[float]] = {k: [] for k in batches}
+        outs = {}
+        with torch.inference_mode():
+            for _ in range(args.repeats + 1):  # the first round warms up
+                for k, fb in batches.items():
+                    if args.device == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    outs[k] = attn.core(q_nope, q_pe, fb, pool)
+                    if args.device == "cuda":
+                        torch.cuda.synchronize()
+                    times[k].append(time.perf_counter() - t0)
+        err = (outs["split"].float() - outs["one_pass"].float()).abs().max().item()
+        plan = deepseek_v3.decode_plan(batches["split"], width)
+        med = {k: statistics.median(v[1:]) for k, v in times.items()}
+        results[name] = {
+            "one_pass_ms": med["one_pass"] * 1e3, "split_ms": med["split"] * 1e3,
+            "ratio": med["one_pass"] / med["split"], "max_abs_diff": err,
+            "chunks": 0 if plan is None else len(plan[1]),
+            "gather_one_pass": B * max(lens) * width,
+            "gather_split": B * max(lens) * width if plan is None else max(n * (e - s) for s, e, n in plan[1]) * width,
+        }
+        r = results[name]
+        print(f"{name:10s} one-pass {r['one_pass_ms']:8.2f} ms  split {r['split_ms']:8.2f} ms  "
+              f"ratio {r['ratio']:5.2f}  chunks {r['chunks']:3d}  gather {r['gather_one_pass'] / 1e6:7.1f}M -> "
+              f"{r['gather_split'] / 1e6:6.1f}M  max|diff| {err:.2e}")
+    with open(args.out, "w") as f:
+        json.dump({"device": args.device, "heads": args.heads, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
