@@ -92,12 +92,16 @@ class DecodeGraphRunner:
 
     def __init__(self, hidden_states: Callable[[ForwardBatch], torch.Tensor], *, max_bs: int,
                  max_seq: int, device: torch.device, backend: GraphBackend | None = None,
+                 max_keys: int | None = None,
                  check_tol: float = 2e-2) -> None:
         self._hidden_states = hidden_states
         self.batch_buckets = batch_buckets(max_bs)
         self.seq_buckets = seq_buckets(max_seq)
         self._backend = backend if backend is not None else CudaGraphBackend(device)
         self._tol = check_tol
+        # bucketed rows x KV columns past this run eager (the model's split-KV decode attention
+        # bounds its latent gathers; a graph pads to its buckets in one pass)
+        self.max_keys = max_keys
         B, S = self.batch_buckets[-1], self.seq_buckets[-1]
         i64 = dict(dtype=torch.int64, device=device)
         self._ids = torch.zeros(B, **i64)
@@ -118,7 +122,9 @@ class DecodeGraphRunner:
             return None
         bb = _bucket(fb.batch_size, self.batch_buckets)
         sb = _bucket(fb.attn.kv_indices.shape[1], self.seq_buckets)
-        return None if bb is None or sb is None else (bb, sb)
+        if bb is None or sb is None or (self.max_keys is not None and bb * sb > self.max_keys):
+            return None
+        return bb, sb
 
     def run(self, fb: ForwardBatch) -> torch.Tensor | None:
         """Hidden states [B, hidden] of decode step `fb` (input ids resolved, on the device)."""

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphRunner
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.mem.pool import MLATokenPool
-from engine.models.deepseek_v3 import CommStats, DeepseekV3ForCausalLM
+from engine.models.deepseek_v3 import DECODE_GATHER_ELEMS, CommStats, DeepseekV3ForCausalLM
 from engine.models.loader import checkpoint_is_fp8, iter_checkpoint_tensors
 from engine.moe.factory import make_dispatcher, make_expert_runner, resolve_runner_backend
 from engine.parallel import ParallelContext
@@ -187,7 +187,8 @@ class ModelRunner:
             else:
                 self.graphs = DecodeGraphRunner(
                     lambda fb: self.model.hidden_states(fb), device=self.device, max_seq=max_model_len + 1,
-                    max_bs=min(config.cuda_graph_max_bs, config.max_running_requests))
+                    max_bs=min(config.cuda_graph_max_bs, config.max_running_requests),
+                    max_keys=DECODE_GATHER_ELEMS["cuda"] // self.pool.buf.shape[-1])
         self.generator = torch.Generator(device=self.device)  # sampling noise is drawn where the logits are
         self.generator.manual_seed(config.seed)
         self.cpu_threads = _cpu_threads(config, hf_config, self.dtype) if self.device.type == "cpu" else None

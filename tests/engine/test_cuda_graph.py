@@ -178,3 +178,23 @@ def test_where_graphs_cannot_run():
     assert "TBO" in _graph_blocker(EngineConfig(enable_two_batch_overlap=True), "none", "torch")
     assert "host" in _graph_blocker(EngineConfig(), "none", "deep_gemm")
     assert EngineConfig().cuda_graph_max_bs == 256 and EngineConfig(cuda_graph_max_bs=0).cuda_graph_max_bs == 0
+
+
+def test_steps_past_the_key_budget_run_eager():
+    """A graph pads rows and KV columns to its buckets in one pass; past `max_keys` the eager
+    split-KV attention runs instead."""
+    import torch
+
+    from engine.forward_batch import AttentionMetadata, ForwardBatch
+
+    runner = DecodeGraphRunner(lambda fb: fb.input_ids.float(), max_bs=64, max_seq=4096, device=torch.device("cpu"),
+                               backend=ReplayBackend(), max_keys=32 * 1024)
+
+    def step(B: int, S: int) -> ForwardBatch:
+        z = torch.zeros(B, dtype=torch.int64)
+        md = AttentionMetadata(torch.zeros(B, S, dtype=torch.int64), torch.ones(B, S, dtype=torch.bool))
+        return ForwardBatch(ForwardMode.DECODE, z, z, z, B, md, z, [True] * B, None, z)
+
+    assert runner.buckets_for(step(30, 1000)) == (32, 1024)  # 32 x 1024 keys: at the budget
+    assert runner.buckets_for(step(33, 1000)) is None  # 48 x 1024
+    assert runner.buckets_for(step(8, 3000)) == (8, 3072)
