@@ -17,9 +17,10 @@ import torch
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphRunner
 from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.layers.fp8_linear import Fp8Linear, convert_linears, dense_fp8_gemm
 from engine.mem.pool import MLATokenPool
 from engine.models.deepseek_v3 import DECODE_GATHER_ELEMS, CommStats, DeepseekV3ForCausalLM
-from engine.models.loader import checkpoint_is_fp8, iter_checkpoint_tensors
+from engine.models.loader import checkpoint_is_fp8, fp8_weight_names, iter_checkpoint_tensors
 from engine.moe.factory import make_dispatcher, make_expert_runner, resolve_runner_backend
 from engine.parallel import ParallelContext
 from engine.sampler import sample
@@ -93,14 +94,17 @@ def _cpu_threads(config: EngineConfig, hf_config, dtype: torch.dtype) -> int:
 
 
 def _materialize(hf_config, max_model_len: int, parallel: ParallelContext, keep_fp8: bool,
-                 dtype: torch.dtype, device: torch.device) -> DeepseekV3ForCausalLM:
+                 dtype: torch.dtype, device: torch.device,
+                 fp8_linears: set[str] = frozenset()) -> DeepseekV3ForCausalLM:
     """The rank's model with uninitialized weights in their final dtype, already on `device`.
 
     Built on the meta device and given storage only once every dtype is final: a DeepSeek-V3 rank
     never holds a float32 (or randomly initialized) copy of its weights in host memory, and the
     checkpoint is copied tensor by tensor straight into device memory. `load_weights` then fails
     on any weight the checkpoint does not provide, so nothing uninitialized survives. The rope
-    tables, built on the host at construction, are kept.
+    tables, built on the host at construction, are kept. The linear layers whose checkpoint
+    weights are named in `fp8_linears` become `Fp8Linear`s (FP8 as stored, see
+    `engine.layers.fp8_linear`).
     """
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(hf_config, max_positions=max_model_len + 1,
@@ -108,8 +112,9 @@ def _materialize(hf_config, max_model_len: int, parallel: ParallelContext, keep_
         if keep_fp8:
             for moe in model.moe_layers:
                 moe.experts.keep_fp8()
+        convert_linears(model, set(fp8_linears))
     for name, p in model.named_parameters():  # buffers (rope tables, gate bias) stay float32
-        if p.dtype != torch.float8_e4m3fn and not name.endswith("_scale"):
+        if p.dtype != torch.float8_e4m3fn and not name.endswith(("_scale", "_scale_inv")):
             p.data = p.data.to(dtype)
     built = {name: b for name, b in model.named_buffers() if b.device.type != "meta"}
     model.to_empty(device=device)
@@ -143,8 +148,14 @@ class ModelRunner:
         runner_backend = resolve_runner_backend(runner_backend)
         # an FP8 checkpoint run by the FP8 expert runner keeps its expert weights as stored
         keep_fp8 = runner_backend == "deep_gemm" and checkpoint_is_fp8(model_path)
+        # and so do its other projections, where DeepGEMM has the dense FP8 GEMM to run them
+        dense_gemm = dense_fp8_gemm() if keep_fp8 else None
+        fp8_linears = fp8_weight_names(model_path) if dense_gemm is not None else set()
         t0 = time.time()
-        model = _materialize(hf_config, max_model_len, parallel, keep_fp8, self.dtype, self.device)
+        model = _materialize(hf_config, max_model_len, parallel, keep_fp8, self.dtype, self.device, fp8_linears)
+        for m in model.modules():
+            if isinstance(m, Fp8Linear):
+                m.gemm = dense_gemm
         model.load_weights(iter_checkpoint_tensors(model_path, dtype=torch.float32,
                                                    num_hidden_layers=hf_config.num_hidden_layers,
                                                    want=model.wants, keep_fp8=keep_fp8))

@@ -3,9 +3,10 @@
 Parameters are counted on the meta device from the very model class a rank builds (so the plan
 and the engine cannot disagree about what a rank holds): replicated attention, dense layers,
 shared experts, embeddings and head, plus this rank's 1/ep_size of the routed experts.
-With FP8 weights (the official DeepSeek-V3 checkpoint format) every projection matrix takes one
-byte per parameter plus a float32 scale per 128x128 block; embeddings, head, norms and router
-stay in bfloat16/float32. The KV cache holds the MLA latent and rope key per token per layer.
+With FP8 weights (the official DeepSeek-V3 checkpoint format, run by DeepGEMM) every projection
+matrix takes one byte per parameter plus a float32 scale per 128x128 block, as the engine keeps
+them (`engine.layers.fp8_linear`); `kv_b_proj` (absorbed into attention), embeddings, head, norms
+and router stay in bfloat16/float32. The KV cache holds the MLA latent and rope key per token per layer.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.layers.fp8_linear import NOT_CONVERTED
 from engine.mem.pool import MLATokenPool
 
 
@@ -74,6 +76,7 @@ def memory_plan(hf_config, ep_size: int, gpu_bytes: int, *, fp8_weights: bool = 
         else:
             replicated += n
         is_matrix = p.dim() >= 2 and not name.endswith(("embed_tokens.weight", "lm_head.weight", "gate.weight"))
+        is_matrix = is_matrix and not any(f".{m}." in name for m in NOT_CONVERTED)
         weight_bytes += _linear_bytes(p.shape, fp8_weights and is_matrix, 2)
     weight_bytes += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "correction_bias" in n)
     reserved = int(gpu_bytes * reserve_fraction)

@@ -554,9 +554,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         return True
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into place. Routed experts go through their own loader; any
-        other FP8 weight arriving with its block scale (checkpoints read with keep_fp8) is
-        dequantized here, once both halves have arrived."""
+        """Copy checkpoint tensors into place. Routed experts go through their own loader. Other
+        FP8 weights arriving with their block scales (checkpoints read with keep_fp8) are copied
+        as stored into an `Fp8Linear`, or dequantized here, once both halves have arrived, for a
+        layer kept in the activation dtype."""
         from engine.models.loader import dequantize_fp8_blockwise
 
         params = dict(self.named_parameters())
@@ -569,7 +570,9 @@ class DeepseekV3ForCausalLM(nn.Module):
                 layer = self.model.layers[int(m.group(1))]
                 layer.mlp.experts.load(name, t)
                 continue
-            if name.endswith(".weight_scale_inv") or t.dtype == torch.float8_e4m3fn:
+            target = params.get(name)
+            kept_fp8 = target is not None and target.dtype == t.dtype  # an Fp8Linear's weight or scale
+            if (name.endswith(".weight_scale_inv") or t.dtype == torch.float8_e4m3fn) and not kept_fp8:
                 base = name.removesuffix("_scale_inv")
                 part = fp8_pending.setdefault(base, {})
                 part["scale" if name.endswith("_scale_inv") else "weight"] = t

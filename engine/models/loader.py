@@ -87,6 +87,13 @@ def checkpoint_is_fp8(path: PathLike) -> bool:
     return any(name.endswith("weight" + _SCALE_SUFFIX) for name in _tensor_locations(path))
 
 
+def fp8_weight_names(path: PathLike) -> set[str]:
+    """Names of the checkpoint's weights stored with a block scale (`X.weight` with
+    `X.weight_scale_inv`); reads index or headers only."""
+    names = _tensor_locations(Path(path))
+    return {n.removesuffix(_SCALE_SUFFIX) for n in names if n.endswith("weight" + _SCALE_SUFFIX)}
+
+
 def _tensor_locations(path: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (reads headers only)."""
     index = path / "model.safetensors.index.json"

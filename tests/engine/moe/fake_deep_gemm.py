@@ -1,9 +1,10 @@
 """A CPU stand-in for `deep_gemm`'s grouped FP8 GEMMs, holding callers to the documented contract.
 
 `make_module(legacy=False)` builds a module object: the current names
-(`m_grouped_fp8_gemm_nt_contiguous`, `m_grouped_fp8_gemm_nt_masked`,
+(`m_grouped_fp8_gemm_nt_contiguous`, `m_grouped_fp8_gemm_nt_masked`, `fp8_gemm_nt`,
 `get_mk_alignment_for_contiguous_layout`) or, with `legacy=True`, only the pre-2025-07 ones
-(`m_grouped_gemm_fp8_fp8_bf16_nt_contiguous/_masked`, `get_m_alignment_for_contiguous_layout`).
+(`m_grouped_gemm_fp8_fp8_bf16_nt_contiguous/_masked`, `gemm_fp8_fp8_bf16_nt`,
+`get_m_alignment_for_contiguous_layout`).
 Semantics (SM90 recipe (1,128,128)): `a = (fp8 [m, k], fp32 [m, k/128])` per-token scales,
 `b = (fp8 [G, n, k], fp32 [G, n/128, k/128])`, `d` BF16 written in place with `a @ b[g].T`;
 contiguous: `grouped_layout` int32 [m] (group per row, -1 padding rows left untouched), each
@@ -93,6 +94,17 @@ def m_grouped_fp8_gemm_nt_masked_signal(a: tuple, b: tuple, d: torch.Tensor, mas
     return SBO_BLOCK_M, threshold
 
 
+def fp8_gemm_nt(a: tuple, b: tuple, d: torch.Tensor, c: torch.Tensor | None = None,
+                *args: object, **kwargs: object) -> None:
+    """Dense: `a = (fp8 [m, k], fp32 [m, k/128])`, `b = (fp8 [n, k], fp32 [n/128, k/128])`, `d`
+    BF16 [m, n] written with `a @ b.T` (+ `c`)."""
+    m, n = a[0].shape[0], b[0].shape[0]
+    assert a[0].dim() == 2 and b[0].dim() == 2 and a[0].shape[1] == b[0].shape[1]
+    assert d.dtype == torch.bfloat16 and d.shape == (m, n)
+    out = _deq_lhs(a) @ _deq_rhs((b[0][None], b[1][None]))[0].T
+    d.copy_((out if c is None else out + c.float()).to(torch.bfloat16))
+
+
 def get_mk_alignment_for_contiguous_layout() -> int:
     return ALIGNMENT
 
@@ -107,9 +119,11 @@ def make_module(legacy: bool = False, signal: bool = False) -> types.ModuleType:
         mod.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous = m_grouped_fp8_gemm_nt_contiguous
         mod.m_grouped_gemm_fp8_fp8_bf16_nt_masked = m_grouped_fp8_gemm_nt_masked
         mod.get_m_alignment_for_contiguous_layout = get_mk_alignment_for_contiguous_layout
+        mod.gemm_fp8_fp8_bf16_nt = fp8_gemm_nt
     else:
         mod.m_grouped_fp8_gemm_nt_contiguous = m_grouped_fp8_gemm_nt_contiguous
         mod.m_grouped_fp8_gemm_nt_masked = (m_grouped_fp8_gemm_nt_masked_signal if signal
                                             else m_grouped_fp8_gemm_nt_masked)
         mod.get_mk_alignment_for_contiguous_layout = get_mk_alignment_for_contiguous_layout
+        mod.fp8_gemm_nt = fp8_gemm_nt
     return mod
