@@ -25,18 +25,17 @@ class AttentionMetadata:
 
     kv_indices [B, S]: KV-pool slots of each request's tokens 0..seq_len-1 (padding -> slot 0).
     kv_mask    [B, S]: True where a slot is a real token of the request.
-    For EXTEND also:
-    q_index    [B, E]: index into the batch's T tokens of each request's new tokens (padding -> 0).
-    q_valid    [B, E]: True for real new tokens.
-    attn_mask  [B, 1, E, S]: causal mask (key position <= query position, key real); padded
-               query rows allow key 0 so softmax stays finite (their outputs are dropped).
+    prefix     [B]:    EXTEND only: tokens of each request cached before this step (its new
+                       tokens are at positions prefix..prefix+ext-1, laid out request after
+                       request in the batch's token order). The causal masks and query layouts
+                       are built from it on the device, per group of requests, by the model.
     """
 
     kv_indices: torch.Tensor
     kv_mask: torch.Tensor
-    q_index: torch.Tensor | None = None
-    q_valid: torch.Tensor | None = None
-    attn_mask: torch.Tensor | None = None
+    prefix: torch.Tensor | None = None
+    # set by the model on the device copy at its first layer (EXTEND), reused by every layer
+    extend_groups: list | None = None
 
 
 @dataclass

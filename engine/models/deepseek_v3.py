@@ -19,6 +19,7 @@ import math
 import re
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -113,38 +114,46 @@ class MLAttention(nn.Module):
         T = q_nope.shape[0]
         if T == 0:
             return q_nope.new_zeros(0, self.o_proj.out_features)
+        if fb.forward_mode != ForwardMode.DECODE:
+            out = self._extend(torch.cat([q_nope, q_pe], dim=-1), fb, pool)
+            return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
+        # decode, absorbed: one query per request (T == B), scored against the latents directly
         md = fb.attn
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w.split([self.nope_dim, self.v_dim], dim=1)
-        if fb.forward_mode == ForwardMode.DECODE and (plan := decode_plan(fb, pool.buf.shape[-1])) is not None:
-            q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)
+        q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)
+        if (plan := decode_plan(fb, pool.buf.shape[-1])) is not None:
             o_lat = self._decode_split_kv(q_lat, q_pe, md, pool, *plan)
-            out = torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
-            return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
-        kv = pool.gather(self.layer_id, md.kv_indices)  # [B, S, kv_lora + rope]
-        c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        if fb.forward_mode == ForwardMode.DECODE:
-            # absorbed: one query per request, T == B
-            q_lat = torch.einsum("bhd,hdc->bhc", q_nope, w_uk)
+        else:  # one pass, padded to the longest request
+            kv = pool.gather(self.layer_id, md.kv_indices)  # [B, S, kv_lora + rope]
+            c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             scores = torch.einsum("bhc,bsc->bhs", q_lat, c_kv) + torch.einsum("bhr,bsr->bhs", q_pe, k_pe)
             scores = scores.float() * self.scale
             scores.masked_fill_(~md.kv_mask[:, None, :], float("-inf"))
             p = scores.softmax(dim=-1).to(c_kv.dtype)
             o_lat = torch.einsum("bhs,bsc->bhc", p, c_kv)
-            out = torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
-        else:
-            B, S = md.kv_indices.shape
-            kvb = self.kv_b_proj(c_kv).view(B, S, self.num_heads, self.nope_dim + self.v_dim)
-            k_nope, v = kvb.split([self.nope_dim, self.v_dim], dim=-1)
-            k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, S, self.num_heads, self.rope_dim)], dim=-1)
-            q = torch.cat([q_nope, q_pe], dim=-1)[md.q_index]  # [B, E, H, d]
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                attn_mask=md.attn_mask, scale=self.scale,
-            )  # [B, H, E, v]
-            out = q_nope.new_empty(T, self.num_heads, self.v_dim)
-            out[md.q_index[md.q_valid]] = o.transpose(1, 2)[md.q_valid]
+        out = torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
         return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
+
+    def _extend(self, q: torch.Tensor, fb: ForwardBatch, pool: MLATokenPool) -> torch.Tensor:
+        """Expanded-form attention of the batch's new tokens `q` [T, H, nope + rope] over their
+        requests' cached and new keys, one group of consecutive requests at a time (each padded
+        to its own longest request, within a memory budget). Returns [T, H, v]."""
+        groups = extend_groups(fb, self.num_heads * (self.nope_dim + self.rope_dim + self.v_dim))
+        outs = []
+        for g in groups:
+            kv = pool.gather(self.layer_id, fb.attn.kv_indices[g.rows, :g.seq])  # [Bg, Sg, kv_lora + rope]
+            c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            Bg, Sg = c_kv.shape[:2]
+            kvb = self.kv_b_proj(c_kv).view(Bg, Sg, self.num_heads, self.nope_dim + self.v_dim)
+            k_nope, v = kvb.split([self.nope_dim, self.v_dim], dim=-1)
+            k = torch.cat([k_nope, k_pe[:, :, None, :].expand(Bg, Sg, self.num_heads, self.rope_dim)], dim=-1)
+            o = F.scaled_dot_product_attention(
+                q[g.q_index].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=g.mask, scale=self.scale,
+            )  # [Bg, H, Eg, v]
+            outs.append(o.transpose(1, 2).reshape(-1, self.num_heads, self.v_dim)[g.q_src])
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _decode_split_kv(self, q_lat: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata,
                          pool: MLATokenPool, order: list[int], chunks: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -205,6 +214,65 @@ def plan_decode_chunks(seq_lens: list[int], width: int, budget: int,
         chunks.append((start, end, n))
         start = end
     return order, chunks
+
+
+# Extend attention pads each group of requests to its longest one: expanded keys and values
+# [rows, keys, heads x (nope + rope + v)] and the causal mask [rows, new tokens, keys]. A group
+# takes consecutive requests while both stay within this many elements (a request alone may pass
+# it: its own keys are needed at once).
+EXTEND_GROUP_ELEMS = {"cuda": 1 << 28, "cpu": 1 << 26}
+
+
+@dataclass
+class ExtendGroup:
+    rows: slice  # requests of the batch
+    seq: int  # the longest request's keys (cached + new)
+    q_index: torch.Tensor  # [Bg, Eg] token of the batch for each (request, new token); padding repeats the last
+    q_src: torch.Tensor  # [Tg] row of the flattened [Bg * Eg] output for each of the group's tokens
+    mask: torch.Tensor  # [Bg, 1, Eg, Sg] causal: key position <= query position
+
+
+def plan_extend_groups(prefix_lens: list[int], extend_lens: list[int], key_elems: int,
+                       budget: int) -> list[tuple[int, int]]:
+    """Consecutive request ranges [r0, r1) whose padded keys (rows x longest x `key_elems`) and
+    mask (rows x most new tokens x longest) stay within `budget` elements; at least one request."""
+    groups, r0 = [], 0
+    while r0 < len(prefix_lens):
+        r1, seq, ext = r0 + 1, prefix_lens[r0] + extend_lens[r0], extend_lens[r0]
+        while r1 < len(prefix_lens):
+            s, e = max(seq, prefix_lens[r1] + extend_lens[r1]), max(ext, extend_lens[r1])
+            if (r1 + 1 - r0) * s * max(key_elems, e) > budget:
+                break
+            r1, seq, ext = r1 + 1, s, e
+        groups.append((r0, r1))
+        r0 = r1
+    return groups
+
+
+def extend_groups(fb: ForwardBatch, key_elems: int) -> list[ExtendGroup]:
+    """The extend batch's request groups with their device-side query layouts and causal masks,
+    built at the first layer and kept on the batch's metadata for the others."""
+    md = fb.attn
+    if md.extend_groups is not None:
+        return md.extend_groups
+    device = md.kv_indices.device
+    budget = EXTEND_GROUP_ELEMS.get(device.type, EXTEND_GROUP_ELEMS["cuda"])
+    prefix, ext = fb.prefix_lens, fb.extend_lens
+    groups, t0 = [], 0
+    for r0, r1 in plan_extend_groups(prefix, ext, key_elems, budget):
+        e = torch.tensor(ext[r0:r1], dtype=torch.int64)
+        E, S = int(e.max()), max(p + x for p, x in zip(prefix[r0:r1], ext[r0:r1]))
+        e_ar = torch.arange(E)
+        starts = t0 + torch.cumsum(e, 0) - e
+        q_index = starts[:, None] + torch.minimum(e_ar[None, :], e[:, None] - 1)
+        q_src = (e_ar[None, :] < e[:, None]).flatten().nonzero().squeeze(1)
+        q_pos = md.prefix[r0:r1, None] + torch.arange(E, device=device)[None, :]  # device: no host mask
+        mask = torch.arange(S, device=device)[None, None, :] <= q_pos[:, :, None]
+        groups.append(ExtendGroup(slice(r0, r1), S, q_index.to(device, non_blocking=True),
+                                  q_src.to(device, non_blocking=True), mask[:, None]))
+        t0 += int(e.sum())
+    md.extend_groups = groups
+    return groups
 
 
 def decode_plan(fb: ForwardBatch, width: int) -> tuple[list[int], list[tuple[int, int, int]]] | None:

@@ -54,15 +54,7 @@ def attention_metadata(mode: ForwardMode, prefix: torch.Tensor, ext: torch.Tenso
     kv_indices = kv_rows[:, :max_s].masked_fill(~kv_mask, 0)
     if mode == ForwardMode.DECODE:
         return AttentionMetadata(kv_indices=kv_indices, kv_mask=kv_mask)
-    starts = torch.cumsum(ext, 0) - ext
-    e_ar = torch.arange(int(ext.max()))
-    q_valid = e_ar[None, :] < ext[:, None]
-    q_index = (starts[:, None] + e_ar[None, :]).masked_fill(~q_valid, 0)
-    q_pos = prefix[:, None] + e_ar[None, :]
-    allowed = (torch.arange(max_s)[None, None, :] <= q_pos[:, :, None]) & kv_mask[:, None, :]
-    allowed[:, :, 0] |= ~q_valid  # padded query rows: keep softmax finite (outputs dropped)
-    return AttentionMetadata(kv_indices=kv_indices, kv_mask=kv_mask, q_index=q_index,
-                             q_valid=q_valid, attn_mask=allowed[:, None])
+    return AttentionMetadata(kv_indices=kv_indices, kv_mask=kv_mask, prefix=prefix.clone())
 
 
 def build_batch(mode: ForwardMode, reqs: list[Req], extend_lens: list[int], table: ReqTable,

@@ -58,3 +58,13 @@ def test_split_kv_equals_one_pass_for_mixed_lengths():
     o_lat = attn._decode_split_kv(q_lat, q_pe, md, pool, order, chunks)
     split = attn.o_proj(torch.einsum("bhc,hvc->bhv", o_lat, w[:, attn.nope_dim:]).reshape(B, -1))
     torch.testing.assert_close(split, one_pass, rtol=1e-5, atol=1e-5)
+
+
+def test_extend_groups_take_consecutive_requests_within_the_budget():
+    from engine.models.deepseek_v3 import plan_extend_groups
+
+    prefix, ext = [0, 0, 30000, 0, 0, 0], [100, 120, 8192, 50, 60, 70]
+    groups = plan_extend_groups(prefix, ext, key_elems=1000, budget=600_000)
+    assert groups == [(0, 2), (2, 3), (3, 6)]  # the long request alone; short ones share a group
+    assert plan_extend_groups(prefix, ext, key_elems=1000, budget=10**12) == [(0, 6)]
+    assert plan_extend_groups([0], [5], key_elems=1000, budget=1) == [(0, 1)]  # over budget, still one

@@ -1,13 +1,17 @@
-"""Decode attention: split-KV (key chunks, online softmax, rows longest first) vs one pass padded
-to the longest request, in one run, on DeepSeek-V3's MLA shapes (kv_lora 512, rope 64, nope 128,
-v 128; `--heads` of the 128, since a rank's attention is not split by head).
+"""Attention without padding to the longest request, in one run, on DeepSeek-V3's MLA shapes
+(kv_lora 512, rope 64, nope 128, v 128; `--heads` of the 128, since a rank's attention is not
+split by head).
 
-Workloads: `mixed` (one long request among short ones: the padded pass costs every row the long
-one's length) and `uniform` (equal lengths: no padding to save, so any cost of chunking shows).
-Reports median time per layer call, the ratio one-pass / split (> 1: split is faster), and the
-largest latent gather of each (elements of kv_lora + rope per gather).
+Decode: split-KV (key chunks, online softmax, rows longest first) vs one pass padded to the
+longest request. Workloads: `mixed` (one long request among short ones: the padded pass costs
+every row the long one's length), `uniform` (equal lengths: no padding to save, so any cost of
+chunking shows) and `long_tail`. Reports median time per layer call, the ratio one-pass / split
+(> 1: split is faster), and the largest latent gather of each (elements of kv_lora + rope).
 
-    python benchmarks/decode_attention.py [--heads 16] [--repeats 5] [--device cpu|cuda]
+Extend: request groups within a budget vs one group padded to the longest request, on a chunked
+prefill step of one long request (a cached prefix plus a chunk) among new short prompts.
+
+    python benchmarks/attention.py [--heads 16] [--repeats 5] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -50,12 +54,58 @@ def _batch(lens: list[int], pool: MLATokenPool, device: str, host_lens: bool) ->
     return fb.to(device)
 
 
+def _extend(attn: MLAttention, cfg, args) -> dict:
+    prefix, ext = [6000] + [0] * 15, [512] + [256] * 15
+    lens = [p + e for p, e in zip(prefix, ext)]
+    dtype = attn.kv_b_proj.weight.dtype
+    pool = MLATokenPool(1, sum(-(-n // 16) for n in lens) + 1, 16, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                        dtype, args.device)
+    pool.buf.normal_()
+    T = sum(ext)
+    q_nope = torch.randn(T, args.heads, cfg.qk_nope_head_dim, device=args.device, dtype=dtype)
+    q_pe = torch.randn(T, args.heads, cfg.qk_rope_head_dim, device=args.device, dtype=dtype)
+    base = _batch(lens, pool, args.device, True)
+
+    def step() -> ForwardBatch:
+        md = attention_metadata(ForwardMode.EXTEND, torch.tensor(prefix), torch.tensor(ext), base.attn.kv_indices.cpu())
+        fb = ForwardBatch(ForwardMode.EXTEND, torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64),
+                          torch.zeros(T, dtype=torch.int64), len(lens), md, torch.zeros(0, dtype=torch.int64),
+                          [], None, torch.zeros(0, dtype=torch.int64), prefix_lens=prefix, extend_lens=ext)
+        return fb.to(args.device)
+
+    default = dict(deepseek_v3.EXTEND_GROUP_ELEMS)
+    one_group = {k: 1 << 62 for k in default}
+    times: dict[str, list[float]] = {"one_group": [], "groups": []}
+    outs = {}
+    with torch.inference_mode():
+        for _ in range(args.repeats + 1):
+            for k, budget in (("one_group", one_group), ("groups", default)):
+                deepseek_v3.EXTEND_GROUP_ELEMS = budget
+                fb = step()
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                outs[k] = attn.core(q_nope, q_pe, fb, pool)
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                times[k].append(time.perf_counter() - t0)
+                outs[k + "_groups"] = len(fb.attn.extend_groups)
+    deepseek_v3.EXTEND_GROUP_ELEMS = default
+    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    r = {"one_group_ms": med["one_group"] * 1e3, "groups_ms": med["groups"] * 1e3,
+         "ratio": med["one_group"] / med["groups"], "groups": outs["groups_groups"],
+         "max_abs_diff": (outs["groups"].float() - outs["one_group"].float()).abs().max().item()}
+    print(f"extend     one group {r['one_group_ms']:8.2f} ms  {r['groups']} groups {r['groups_ms']:8.2f} ms  "
+          f"ratio {r['ratio']:5.2f}  max|diff| {r['max_abs_diff']:.2e}")
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default="decode_attention.json")
+    ap.add_argument("--out", default="attention.json")
     args = ap.parse_args()
     from transformers import DeepseekV3Config
 
@@ -98,6 +148,7 @@ def main() -> None:
         print(f"{name:10s} one-pass {r['one_pass_ms']:8.2f} ms  split {r['split_ms']:8.2f} ms  "
               f"ratio {r['ratio']:5.2f}  chunks {r['chunks']:3d}  gather {r['gather_one_pass'] / 1e6:7.1f}M -> "
               f"{r['gather_split'] / 1e6:6.1f}M  max|diff| {err:.2e}")
+    results["extend"] = _extend(attn, cfg, args)
     with open(args.out, "w") as f:
         json.dump({"device": args.device, "heads": args.heads, "results": results}, f, indent=2)
 
