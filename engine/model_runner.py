@@ -166,14 +166,20 @@ class ModelRunner:
         self.a2a_backend = a2a
         n_micro = 2 if config.enable_two_batch_overlap else 1
         side = torch.cuda.Stream(self.device) if config.enable_single_batch_overlap and self.device.type == "cuda" else None
+        fp8_runner = runner_backend == "deep_gemm"
         for moe in self.model.moe_layers:
+            ex = moe.experts
+            moe.runner = make_expert_runner(runner_backend, ex.w13, ex.w2, w13_scale=ex.w13_scale, w2_scale=ex.w2_scale)
+            # For DeepGEMM the dispatch delivers expert segments already padded to its M alignment
+            # (no repacking before the grouped GEMM) and, in DeepEP's normal mode, FP8 tokens with
+            # their per-token scales (half the bytes; the runner quantizes to FP8 anyway).
             moe.dispatchers = [make_dispatcher(
                 a2a, num_experts=hf_config.n_routed_experts, hidden_size=hf_config.hidden_size,
                 ep_group=parallel.ep_group, rank=parallel.rank, world_size=parallel.world_size,
                 deepep_mode=config.deepep_mode, params_dtype=self.dtype,
+                expert_alignment=getattr(moe.runner, "alignment", 1) if fp8_runner else 1,
+                normal_fp8=fp8_runner,
                 num_max_dispatch_tokens_per_rank=config.resolved_deepep_ll_max_tokens) for _ in range(n_micro)]
-            ex = moe.experts
-            moe.runner = make_expert_runner(runner_backend, ex.w13, ex.w2, w13_scale=ex.w13_scale, w2_scale=ex.w2_scale)
             moe.sbo = config.enable_single_batch_overlap
             moe.alt_stream = side
         if config.enable_single_batch_overlap:

@@ -81,6 +81,8 @@ def test_fp8_experts_kept_as_stored_and_close_to_dequantized(fp8_checkpoint, mon
         name = "model.layers.1.self_attn.o_proj"
         o_proj = model.get_submodule(name)
         assert o_proj.gemm is not None
+        # the dispatch hands DeepGEMM segments padded to its M alignment (no repacking in the runner)
+        assert all(d.expert_alignment == 128 for moe in model.moe_layers for d in moe.dispatchers)
         assert torch.equal(o_proj.weight.view(torch.uint8), tensors[name + ".weight"].view(torch.uint8))
         assert torch.equal(o_proj.weight_scale_inv, tensors[name + ".weight_scale_inv"])
         got = _prompt_logprobs(llm, prompts)
