@@ -62,6 +62,10 @@ class EngineConfig(BaseModel):
         "intra-op threads of the CPU forward; default: one for models whose expert GEMMs are too "
         "small to split, the process's torch thread count otherwise"))
     stall_timeout_s: float = Field(60.0, gt=0, description="health fails after this long without progress while work is pending")
+    warmup: bool = Field(True, description=(
+        "before serving, run one short request (a prefill and two decode steps) through the loop, "
+        "so first-use costs (kernel JIT and autotuning, library handles, communication buffers, the "
+        "first CUDA graph) are paid at start, not by the first request or against the stall check"))
 
     @property
     def resolved_a2a_backend(self) -> str:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.executor import ExecutorDied, HostOutput, InlineExecutor, ThreadExecutor
+from engine.executor import ExecutorDied, ExecutorStats, HostOutput, InlineExecutor, ThreadExecutor
 from engine.forward_batch import ForwardMode
 from engine.lockstep import Lockstep
 from engine.model_runner import ModelRunner
@@ -87,6 +87,11 @@ class _Abort:
     rid: str
 
 
+@dataclass
+class _Reset:
+    done: threading.Event
+
+
 class Engine:
     def __init__(self, config: EngineConfig, parallel: ParallelContext = SINGLE_RANK) -> None:
         self.config = config
@@ -136,6 +141,43 @@ class Engine:
                               last_tokens=0, tbo_steps=0)
         self._thread = threading.Thread(target=self._run, name=f"engine-loop-r{parallel.rank}", daemon=True)
         self._thread.start()
+        if config.warmup:
+            self._warm_up()
+
+    _WARMUP_TIMEOUT_S = 1800.0  # DeepGEMM compiles its kernels on first use: minutes, not seconds
+
+    def _warm_up(self) -> None:
+        """One short request through the loop before any other (every rank of a group does the
+        same, so its steps run in lockstep like any other). It leaves no trace: its tokens leave
+        the prefix cache, and step counters and timing restart at zero."""
+        t0 = time.monotonic()
+        finished = threading.Event()
+        prompt = [1 + i % (self.vocab_size - 1) for i in range(16)]
+        req = Req("warmup", prompt, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0),
+                  lambda out: finished.set() if out.finished else None,
+                  IncrementalDetokenizer(self.tokenizer, prompt), self.eos_ids)
+        self._inbox.put(_Add(req))
+        if not finished.wait(self._WARMUP_TIMEOUT_S):
+            raise RuntimeError(f"engine warm-up did not finish within {self._WARMUP_TIMEOUT_S:.0f}s")
+        if self.error is not None:
+            raise RuntimeError(f"engine warm-up failed: {self.error!r}")
+        if req.error:
+            raise RuntimeError(f"engine warm-up failed: {req.error}")
+        reset = _Reset(threading.Event())
+        self._inbox.put(reset)
+        reset.done.wait(self._WARMUP_TIMEOUT_S)
+        logger.info("rank %d warmed up in %.2fs", self.parallel.rank, time.monotonic() - t0)
+
+    def _reset_after_warm_up(self) -> None:
+        """(loop thread) Forget the warm-up: cached prefix pages, counters, forward timing."""
+        if self.scheduler.radix is not None:
+            self.scheduler.radix.evict(self.scheduler.allocator.num_pages)
+        for k, v in self._counters.items():
+            self._counters[k] = type(v)()
+        self.executor.stats = ExecutorStats()
+        if self.runner is not None:
+            self.runner.comm_stats.wait_s = 0.0
+        self._idle_time = 0.0
 
     # ------------------------------------------------------------------ API (any thread)
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -260,6 +302,9 @@ class Engine:
     def _handle(self, msg) -> None:
         if isinstance(msg, _Add):
             self.scheduler.add(msg.req)
+        elif isinstance(msg, _Reset):
+            self._reset_after_warm_up()
+            msg.done.set()
         elif isinstance(msg, _Abort):
             req = self.scheduler.abort(msg.rid)
             if req is not None:
