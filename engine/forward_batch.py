@@ -53,6 +53,38 @@ class SamplingInfo:
     need_top_p: bool
     need_min_p: bool
     return_logprobs: bool
+    penalties: PenaltyInfo | None = None  # None: no request of the batch has a penalty
+
+
+@dataclass
+class PenaltyInfo:
+    """Presence / frequency / repetition penalties of a batch. The token counts they need live on
+    the device, one row per request-table slot (`rows`): the runner adds each sampled token to
+    its row after sampling, in launch order, so a row is current even for tokens the scheduler
+    has not seen yet (overlap). A request's row is (re)built from the host at the step that
+    first samples for it after admission or retraction (`init_*`): counts of its output tokens
+    so far, and which tokens its prompt holds (repetition penalty)."""
+
+    rows: torch.Tensor  # [B] int64 request-table slot of each request
+    presence: torch.Tensor  # [B] float32
+    frequency: torch.Tensor  # [B] float32
+    repetition: torch.Tensor  # [B] float32 (1: none)
+    init_rows: torch.Tensor  # [K] int64 batch rows whose state is rebuilt this step
+    init_prompt: torch.Tensor  # [2, Np] int64 (index into init_rows, token id) of their prompts
+    init_output: torch.Tensor  # [2, No] int64 (index into init_rows, token id) of their outputs
+
+
+def _to(v, device):
+    """Copy of dataclass `v` with its tensors (and nested dataclasses') on `device`."""
+    moved = {}
+    for g in fields(v):
+        x = getattr(v, g.name)
+        if isinstance(x, torch.Tensor):
+            x = x.to(device, non_blocking=True)
+        elif isinstance(x, PenaltyInfo):
+            x = _to(x, device)
+        moved[g.name] = x
+    return type(v)(**moved)
 
 
 @dataclass
@@ -102,10 +134,6 @@ class ForwardBatch:
             elif f.name == "tbo_children" and v is not None:
                 v = (v[0].to(device), v[1].to(device))
             elif isinstance(v, (AttentionMetadata, SamplingInfo)):
-                v = type(v)(**{
-                    g.name: (getattr(v, g.name).to(device, non_blocking=True)
-                             if isinstance(getattr(v, g.name), torch.Tensor) else getattr(v, g.name))
-                    for g in fields(v)
-                })
+                v = _to(v, device)
             moved[f.name] = v
         return ForwardBatch(**moved)

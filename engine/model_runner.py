@@ -23,6 +23,7 @@ from engine.models.deepseek_v3 import DECODE_GATHER_ELEMS, CommStats, DeepseekV3
 from engine.models.loader import checkpoint_is_fp8, fp8_weight_names, iter_checkpoint_tensors
 from engine.moe.factory import make_dispatcher, make_expert_runner, resolve_runner_backend
 from engine.parallel import ParallelContext
+from engine.penalties import PenaltyState
 from engine.sampler import sample
 from engine.tbo import DELTA_STAGES
 
@@ -206,6 +207,7 @@ class ModelRunner:
                     lambda fb: self.model.hidden_states(fb), device=self.device, max_seq=max_model_len + 1,
                     max_bs=min(config.cuda_graph_max_bs, config.max_running_requests),
                     max_keys=DECODE_GATHER_ELEMS["cuda"] // self.pool.buf.shape[-1])
+        self.penalties: PenaltyState | None = None
         self.generator = torch.Generator(device=self.device)  # sampling noise is drawn where the logits are
         self.generator.manual_seed(config.seed)
         self.cpu_threads = _cpu_threads(config, hf_config, self.dtype) if self.device.type == "cpu" else None
@@ -252,7 +254,17 @@ class ModelRunner:
         if fb.forward_mode == ForwardMode.IDLE or fb.batch_size == 0:
             return ForwardOutput(None, None, None, time.perf_counter() - t0)
         logits = self.model.logits(hidden[fb.sample_index])
+        penalties = fb.sampling.penalties
+        if penalties is not None:
+            if self.penalties is None:  # allocated on first use: [slots, vocab] counts
+                self.penalties = PenaltyState(self.config.max_running_requests + 1, logits.shape[-1], self.device)
+            raw = logits
+            logits = self.penalties.apply(logits, penalties)
         next_ids, logprobs = sample(logits, fb.sampling, self.generator)
+        if penalties is not None:
+            self.penalties.observe(penalties, next_ids)
+            if logprobs is not None:  # the model's own logprobs, as without penalties
+                logprobs = (raw.gather(1, next_ids[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1))
         self.futures.store(fb.future_slots, next_ids)
         plp = None
         if fb.prompt_logprob_ranges:

@@ -17,6 +17,12 @@ class SamplingParams(BaseModel):
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # OpenAI's: subtracted from a token's logit once it appears in the output (presence) or per
+    # appearance (frequency). vLLM/SGLang's repetition penalty: logits of tokens in the prompt or
+    # output divided by it when positive, multiplied when negative (HF transformers' semantics).
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     logprobs: bool = False
     prompt_logprobs: bool = False
     priority: int = 0  # lower runs first under schedule_policy="priority"
@@ -36,6 +42,10 @@ class SamplingParams(BaseModel):
         if v is not None and any(not s for s in v):
             raise ValueError("stop strings must be non-empty")
         return v
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

@@ -3,8 +3,8 @@
 Requests are parsed strictly: a wrong JSON type is a 400, never silently coerced ("5" is not 5),
 and a field OpenAI defines but we do not implement (`tools`, `logit_bias`, `echo: true`, ...) is a
 400 naming it rather than an ignored knob that makes outputs differ from what the client asked.
-A few non-OpenAI extras that vLLM and SGLang also accept (`top_k`, `min_p`, `ignore_eos`,
-`stop_token_ids`) go through `extra_body` of the official client.
+A few non-OpenAI extras that vLLM and SGLang also accept (`top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos`, `stop_token_ids`) go through `extra_body` of the official client.
 """
 
 from __future__ import annotations
@@ -89,10 +89,10 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     n: int = 1
     user: str | None = None
-    # Accepted only at their neutral value, so clients that always send them keep working.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     # Extras (not in OpenAI's schema), as in vLLM / SGLang.
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     top_k: int | None = None
     min_p: float | None = None
     ignore_eos: bool = False
@@ -103,13 +103,6 @@ class _Request(BaseModel):
     def _n(cls, v: int) -> int:
         if v != 1:
             raise ValueError("only n=1 is supported")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v: float | None) -> float | None:
-        if v not in (None, 0, 0.0):
-            raise ValueError("penalties are not supported (only 0)")
         return v
 
     @field_validator("stop")

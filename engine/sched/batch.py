@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.forward_batch import AttentionMetadata, ForwardBatch, ForwardMode, SamplingInfo
+from engine.forward_batch import (
+    AttentionMetadata,
+    ForwardBatch,
+    ForwardMode,
+    PenaltyInfo,
+    SamplingInfo,
+)
 from engine.mem.req_table import ReqTable
 from engine.request import Req
 
@@ -24,7 +30,30 @@ class ScheduledBatch:
     forward: ForwardBatch
 
 
-def _sampling_info(reqs: list[Req], vocab_size: int) -> SamplingInfo:
+def _penalty_info(reqs: list[Req], slots: list[int], mode: ForwardMode, sample_mask: list[bool]) -> PenaltyInfo:
+    """Penalties of a batch where some request has one. Rows are rebuilt at a request's final
+    prefill chunk (its first sampling step since admission or retraction); all its outputs are
+    on the host then."""
+    ps = [r.params for r in reqs]
+    init = [i for i, s in enumerate(sample_mask) if s and mode == ForwardMode.EXTEND]
+
+    def pairs(lists: list[list[int]]) -> torch.Tensor:
+        k = [j for j, ids in enumerate(lists) for _ in ids]
+        return torch.tensor([k, [t for ids in lists for t in ids]], dtype=torch.int64).view(2, -1)
+
+    return PenaltyInfo(
+        rows=torch.tensor(slots, dtype=torch.int64),
+        presence=torch.tensor([p.presence_penalty for p in ps], dtype=torch.float32),
+        frequency=torch.tensor([p.frequency_penalty for p in ps], dtype=torch.float32),
+        repetition=torch.tensor([p.repetition_penalty for p in ps], dtype=torch.float32),
+        init_rows=torch.tensor(init, dtype=torch.int64),
+        init_prompt=pairs([reqs[i].prompt_ids if reqs[i].params.repetition_penalty != 1.0 else [] for i in init]),
+        init_output=pairs([reqs[i].output_ids for i in init]),
+    )
+
+
+def _sampling_info(reqs: list[Req], vocab_size: int, slots: list[int], mode: ForwardMode,
+                   sample_mask: list[bool]) -> SamplingInfo:
     ps = [r.params for r in reqs]
     temps = torch.tensor([p.temperature if not p.greedy else 0.0 for p in ps], dtype=torch.float32)
     top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in ps], dtype=torch.int64)
@@ -40,6 +69,7 @@ def _sampling_info(reqs: list[Req], vocab_size: int) -> SamplingInfo:
         need_top_p=any(p.top_p < 1.0 and not p.greedy for p in ps),
         need_min_p=any(p.min_p > 0.0 and not p.greedy for p in ps),
         return_logprobs=any(p.logprobs for p in ps),
+        penalties=_penalty_info(reqs, slots, mode, sample_mask) if any(p.has_penalties for p in ps) else None,
     )
 
 
@@ -105,7 +135,7 @@ def build_batch(mode: ForwardMode, reqs: list[Req], extend_lens: list[int], tabl
         attn=attn,
         sample_index=starts + ext - 1,
         sample_mask=sample_mask,
-        sampling=_sampling_info(reqs, vocab_size),
+        sampling=_sampling_info(reqs, vocab_size, slots, mode, sample_mask),
         future_slots=torch.tensor(future_slots, dtype=torch.int64),
         prompt_logprob_ranges=plp,
         prompt_logprob_targets=torch.tensor(targets, dtype=torch.int64),

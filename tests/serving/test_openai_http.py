@@ -172,9 +172,19 @@ def test_greedy_output_matches_offline_llm(server: Any) -> None:
     from engine import LLM, SamplingParams
 
     prompts = ["class Stack:\n    def push(self, x):", "The capital of France is"]
+    penalties = {"frequency_penalty": 1.2, "presence_penalty": 0.4, "repetition_penalty": 1.3}
     served = [
         server.client.completions.create(
             model=MODEL, prompt=p, max_tokens=16, temperature=0.0, extra_body={"ignore_eos": True}
+        )
+        for p in prompts
+    ]
+    # penalties: OpenAI's two as fields, the repetition penalty through extra_body
+    served_pen = [
+        server.client.completions.create(
+            model=MODEL, prompt=p, max_tokens=16, temperature=0.0,
+            frequency_penalty=penalties["frequency_penalty"], presence_penalty=penalties["presence_penalty"],
+            extra_body={"ignore_eos": True, "repetition_penalty": penalties["repetition_penalty"]},
         )
         for p in prompts
     ]
@@ -186,8 +196,14 @@ def test_greedy_output_matches_offline_llm(server: Any) -> None:
             prompts=prompts,
             sampling_params=SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
         )
+        outs_pen = llm.generate(
+            prompts=prompts,
+            sampling_params=SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, **penalties),
+        )
     finally:
         llm.shutdown()
+    assert [r.choices[0].text for r in served_pen] == [o.text for o in outs_pen]
+    assert [o.token_ids for o in outs_pen] != [o.token_ids for o in outs]  # the penalties bit
     for r, out in zip(served, outs, strict=True):
         assert len(out.token_ids) == 16 == r.usage.completion_tokens
         assert r.choices[0].text == out.text
@@ -210,6 +226,8 @@ def test_bad_requests_get_openai_errors_while_a_stream_completes(server: Any) ->
         ("/v1/completions", {"model": MODEL, "prompt": too_long, "max_tokens": 4}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
         (
             "/v1/chat/completions",
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []},
