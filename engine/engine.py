@@ -366,7 +366,7 @@ class Engine:
         self.last_progress = time.monotonic()
         if step.mode == ForwardMode.IDLE:
             return
-        for req, output in self.scheduler.process(step, out.next_ids, out.logprobs, out.prompt_logprobs):
+        for req, output in self.scheduler.process(step, out):
             self._counters["generated"] += 1
             if output.finished:
                 self._counters["cached"] += req.metrics.num_cached_tokens

@@ -43,6 +43,8 @@ class HostOutput:
     next_ids: list[int] | None
     logprobs: list[float] | None
     prompt_logprobs: list[float] | None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
 
 @dataclass
@@ -99,7 +101,7 @@ class _CudaCopier:
         self.copy_stream.wait_stream(self.forward_stream)
         with torch.cuda.stream(self.copy_stream):
             host = []
-            for t in (out.next_ids, out.logprobs, out.prompt_logprobs):
+            for t in out.host_tensors():
                 if t is not None:
                     h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                     h.copy_(t, non_blocking=True)
@@ -111,7 +113,7 @@ class _CudaCopier:
 
 
 def to_host(out: ForwardOutput) -> HostOutput:
-    return HostOutput(*[t.tolist() if t is not None else None for t in (out.next_ids, out.logprobs, out.prompt_logprobs)])
+    return HostOutput(*[t.tolist() if t is not None else None for t in out.host_tensors()])
 
 
 class _Executor:

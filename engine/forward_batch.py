@@ -53,6 +53,7 @@ class SamplingInfo:
     need_top_p: bool
     need_min_p: bool
     return_logprobs: bool
+    top_logprobs: int = 0  # most likely tokens reported per row (the batch's largest request)
     penalties: PenaltyInfo | None = None  # None: no request of the batch has a penalty
 
 

@@ -38,6 +38,12 @@ class ForwardOutput:
     logprobs: torch.Tensor | None
     prompt_logprobs: torch.Tensor | None
     forward_time: float = 0.0
+    top_ids: torch.Tensor | None = None  # [B, K] the most likely tokens (top_logprobs)
+    top_logprobs: torch.Tensor | None = None  # [B, K]
+
+    def host_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """The tensors `HostOutput` is made of, in its field order."""
+        return self.next_ids, self.logprobs, self.prompt_logprobs, self.top_ids, self.top_logprobs
 
 
 class FutureMap:
@@ -253,21 +259,21 @@ class ModelRunner:
             hidden = self.model.hidden_states(fb, self.comm_stats)
         if fb.forward_mode == ForwardMode.IDLE or fb.batch_size == 0:
             return ForwardOutput(None, None, None, time.perf_counter() - t0)
-        logits = self.model.logits(hidden[fb.sample_index])
+        logits = raw = self.model.logits(hidden[fb.sample_index])
         penalties = fb.sampling.penalties
         if penalties is not None:
             if self.penalties is None:  # allocated on first use: [slots, vocab] counts
                 self.penalties = PenaltyState(self.config.max_running_requests + 1, logits.shape[-1], self.device)
-            raw = logits
             logits = self.penalties.apply(logits, penalties)
-        next_ids, logprobs = sample(logits, fb.sampling, self.generator)
+        # logprobs reported are the model's own (before penalties)
+        sampled = sample(logits, fb.sampling, self.generator, model_logits=raw)
+        next_ids = sampled.ids
         if penalties is not None:
             self.penalties.observe(penalties, next_ids)
-            if logprobs is not None:  # the model's own logprobs, as without penalties
-                logprobs = (raw.gather(1, next_ids[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1))
         self.futures.store(fb.future_slots, next_ids)
         plp = None
         if fb.prompt_logprob_ranges:
             idx = torch.cat([torch.arange(s, e) for s, e, _ in fb.prompt_logprob_ranges]).to(self.device)
             plp = self._token_logprobs(hidden[idx], fb.prompt_logprob_targets)
-        return ForwardOutput(next_ids, logprobs, plp, time.perf_counter() - t0)
+        return ForwardOutput(next_ids, sampled.logprobs, plp, time.perf_counter() - t0,
+                             sampled.top_ids, sampled.top_logprobs)

@@ -31,5 +31,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None  # set when the engine failed this request (finish_reason "abort")
     logprobs: list[float] | None = None
+    # per generated token, with top_logprobs: {token id: logprob} of the most likely tokens
+    top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None
     metrics: RequestMetrics | None = None

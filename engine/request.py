@@ -52,6 +52,7 @@ class Req:
         self.text = ""  # all finalized text (stop strings removed)
         self.emitted_len = 0  # chars of `text` already sent
         self.logprobs: list[float] | None = [] if params.logprobs else None
+        self.top_logprobs: list[dict[int, float]] | None = [] if params.top_logprobs else None
         self.prompt_logprobs: list[float | None] | None = None
         self.prompt_logprob_parts: list[float] = []  # accumulated over prefill chunks
 
@@ -67,11 +68,14 @@ class Req:
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs and self.prompt_logprobs is None
 
-    def append_token(self, token: int, logprob: float | None) -> None:
-        """Record one sampled token; decide whether it finishes the request."""
+    def append_token(self, token: int, logprob: float | None, top: dict[int, float] | None = None) -> None:
+        """Record one sampled token (with its logprob, and the most likely tokens' where asked);
+        decide whether it finishes the request."""
         self.output_ids.append(token)
         if self.logprobs is not None:
             self.logprobs.append(float(logprob))
+        if self.top_logprobs is not None:
+            self.top_logprobs.append(top or {})
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = time.time()
         skip_text = token in self.stop_ids
@@ -130,6 +134,7 @@ class Req:
             finish_reason=self.finish_reason,
             error=self.error,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            top_logprobs=list(self.top_logprobs) if self.top_logprobs is not None else None,
             prompt_logprobs=self.prompt_logprobs,
             metrics=self.metrics,
         )

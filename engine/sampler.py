@@ -10,9 +10,18 @@ A seed therefore reproduces its tokens on the same kind of device.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from engine.forward_batch import SamplingInfo
+
+
+class SampleOutput(NamedTuple):
+    ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] float32
+    top_ids: torch.Tensor | None = None  # [B, K] int64, most likely first
+    top_logprobs: torch.Tensor | None = None  # [B, K] float32
 
 
 def _noise(vocab: int, seeds: list[int | None], output_index: list[int], device, fallback: torch.Generator) -> torch.Tensor:
@@ -27,9 +36,13 @@ def _noise(vocab: int, seeds: list[int | None], output_index: list[int], device,
     return e
 
 
-def sample(logits: torch.Tensor, info: SamplingInfo, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [B, V] float32 -> (token ids [B], log p of each chosen token under the model or None)."""
-    logprobs = torch.log_softmax(logits, dim=-1) if info.return_logprobs else None
+def sample(logits: torch.Tensor, info: SamplingInfo, generator: torch.Generator,
+           model_logits: torch.Tensor | None = None) -> SampleOutput:
+    """logits [B, V] float32 (penalties applied) -> token ids [B] and, where asked, the log p of
+    each chosen token and the `info.top_logprobs` most likely tokens under the model
+    (`model_logits`, the logits before penalties; default `logits`)."""
+    logprobs = (torch.log_softmax(logits if model_logits is None else model_logits, dim=-1)
+                if info.return_logprobs else None)
     greedy_ids = logits.argmax(dim=-1)
     if info.all_greedy:
         ids = greedy_ids
@@ -51,5 +64,10 @@ def sample(logits: torch.Tensor, info: SamplingInfo, generator: torch.Generator)
         e = _noise(probs.shape[-1], info.seeds, info.output_index, probs.device, generator)
         sampled = (probs / e).argmax(dim=-1)
         ids = torch.where(info.temperatures == 0, greedy_ids, sampled)
-    chosen = logprobs.gather(1, ids[:, None]).squeeze(1) if logprobs is not None else None
-    return ids, chosen
+    if logprobs is None:
+        return SampleOutput(ids)
+    chosen = logprobs.gather(1, ids[:, None]).squeeze(1)
+    if not info.top_logprobs:
+        return SampleOutput(ids, chosen)
+    top = logprobs.topk(min(info.top_logprobs, logprobs.shape[-1]), dim=-1)
+    return SampleOutput(ids, chosen, top.indices, top.values)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class SamplingParams(BaseModel):
@@ -24,6 +24,7 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=20, description="with logprobs: this many most likely tokens per step, with theirs")
     prompt_logprobs: bool = False
     priority: int = 0  # lower runs first under schedule_policy="priority"
 
@@ -42,6 +43,12 @@ class SamplingParams(BaseModel):
         if v is not None and any(not s for s in v):
             raise ValueError("stop strings must be non-empty")
         return v
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> SamplingParams:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=True")
+        return self
 
     @property
     def has_penalties(self) -> bool:

@@ -231,12 +231,12 @@ class OpenAIIngress:
                     else "max_tokens"
                 ),
             )
-            want_logprobs = req.logprobs
+            want_logprobs, top = req.logprobs, req.top_logprobs or 0
         else:
             prompt = req.prompt
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             max_tokens, max_param = req.max_tokens, "max_tokens"
-            want_logprobs = req.logprobs is not None
+            want_logprobs, top = req.logprobs is not None, req.logprobs or 0
         lim = self.limits
         if not ids:
             raise bad_request("prompt: empty after tokenization", param="prompt")
@@ -276,6 +276,7 @@ class OpenAIIngress:
                 stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos,
                 logprobs=want_logprobs,
+                top_logprobs=top,
             )
         except ValidationError as e:
             raise validation_to_api_error(e) from None

@@ -136,7 +136,7 @@ class StreamOptions(BaseModel):
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
-    # OpenAI: top-n alternatives per token (0..5); we return the chosen token's logprob only.
+    # OpenAI: the chosen token's logprob and the `logprobs` most likely tokens' (0..5)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
 
@@ -183,7 +183,7 @@ class ChatCompletionRequest(_Request):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0)  # only the chosen token (0) for now
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _top_logprobs(self) -> ChatCompletionRequest:

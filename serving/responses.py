@@ -34,39 +34,48 @@ class ResponseBuilder:
         }
 
     def _logprobs(
-        self, token_ids: list[int], logprobs: list[float] | None
+        self, token_ids: list[int], logprobs: list[float] | None,
+        tops: list[dict[int, float]] | None = None,
     ) -> dict[str, Any] | None:
-        """OpenAI logprobs for `token_ids` (we report the chosen token's logprob only)."""
+        """OpenAI logprobs for `token_ids`: each chosen token's, and where the request asked for
+        them the most likely tokens' (`tops`, most likely first)."""
         if not self.logprobs:
             return None
         lps = list(logprobs or [])[: len(token_ids)]
-        toks = [self.tokenizer.decode([t]) for t in token_ids[: len(lps)]]
+        ids = token_ids[: len(lps)]
+        toks = [self.tokenizer.decode([t]) for t in ids]
+        tops = list(tops or [])[: len(lps)] + [{}] * (len(lps) - len(tops or []))
         if self.kind == "chat":
+            def entry(text: str, lp: float) -> dict[str, Any]:
+                return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
             return {
                 "content": [
-                    {
-                        "token": t,
-                        "logprob": lp,
-                        "bytes": list(t.encode("utf-8")),
-                        "top_logprobs": [],
-                    }
-                    for t, lp in zip(toks, lps, strict=True)
+                    {**entry(t, lp),
+                     "top_logprobs": [entry(self.tokenizer.decode([i]), v) for i, v in top.items()]}
+                    for t, lp, top in zip(toks, lps, tops, strict=True)
                 ]
             }
         offsets = []
         for t in toks:
             offsets.append(self._text_offset)
             self._text_offset += len(t)
+        # legacy completions: {token text: logprob} of the top tokens, the chosen one included
+        top_dicts = []
+        for t, lp, top in zip(toks, lps, tops, strict=True):
+            d = {self.tokenizer.decode([i]): v for i, v in top.items()}
+            d.setdefault(t, lp)
+            top_dicts.append(d)
         return {
             "tokens": toks,
             "token_logprobs": lps,
-            "top_logprobs": [{t: lp} for t, lp in zip(toks, lps, strict=True)],
+            "top_logprobs": top_dicts,
             "text_offset": offsets,
         }
 
     # ---- full (non-streaming) response -------------------------------------------------------------
     def full(self, out: Any) -> dict[str, Any]:
-        lp = self._logprobs(list(out.token_ids), out.logprobs)
+        lp = self._logprobs(list(out.token_ids), out.logprobs, out.top_logprobs)
         cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
         if self.kind == "chat":
             choice = {
@@ -126,7 +135,8 @@ class ResponseBuilder:
         new_ids = list(out.token_ids[self._sent_tokens :])
         lps = None
         if self.logprobs and out.logprobs is not None and new_ids:
-            lps = self._logprobs(new_ids, list(out.logprobs[self._sent_tokens :]))
+            tops = out.top_logprobs[self._sent_tokens :] if out.top_logprobs is not None else None
+            lps = self._logprobs(new_ids, list(out.logprobs[self._sent_tokens :]), tops)
         self._sent_tokens = len(out.token_ids)
         if not out.delta_text and not out.finished and lps is None:
             return None

@@ -69,6 +69,7 @@ def _sampling_info(reqs: list[Req], vocab_size: int, slots: list[int], mode: For
         need_top_p=any(p.top_p < 1.0 and not p.greedy for p in ps),
         need_min_p=any(p.min_p > 0.0 and not p.greedy for p in ps),
         return_logprobs=any(p.logprobs for p in ps),
+        top_logprobs=max(p.top_logprobs for p in ps),
         penalties=_penalty_info(reqs, slots, mode, sample_mask) if any(p.has_penalties for p in ps) else None,
     )
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardMode
@@ -25,6 +26,9 @@ from engine.mem.req_table import ReqTable
 from engine.outputs import RequestOutput
 from engine.request import Req, ReqState
 from engine.sched.batch import ScheduledBatch, build_batch
+
+if TYPE_CHECKING:
+    from engine.executor import HostOutput
 
 logger = logging.getLogger(__name__)
 
@@ -246,8 +250,8 @@ class Scheduler:
                               prompt_logprob_lens=plp_lens, forward=fb)
 
     # ---------------------------------------------------------------- results
-    def process(self, batch: ScheduledBatch, next_ids: list[int], logprobs: list[float] | None,
-                prompt_logprobs: list[float] | None) -> list[tuple[Req, RequestOutput]]:
+    def process(self, batch: ScheduledBatch, out: HostOutput) -> list[tuple[Req, RequestOutput]]:
+        next_ids, logprobs, prompt_logprobs = out.next_ids, out.logprobs, out.prompt_logprobs
         outs = []
         plp_off = 0
         for i, req in enumerate(batch.reqs):
@@ -265,7 +269,11 @@ class Scheduler:
             if req.pending_future == batch.future_ids[i]:
                 req.pending_future = None
             tok = next_ids[i]
-            req.append_token(tok, logprobs[i] if logprobs is not None else None)
+            top = None
+            if out.top_ids is not None and req.params.top_logprobs:
+                k = req.params.top_logprobs
+                top = dict(zip(out.top_ids[i][:k], out.top_logprobs[i][:k]))
+            req.append_token(tok, logprobs[i] if logprobs is not None else None, top)
             outs.append((req, req.make_output([tok])))
             if req.finished:
                 self._release(req)

@@ -78,13 +78,25 @@ def test_decode_logprobs_match_hf(tmp_path):
     prompts = _prompts(500, [11, 30])
     llm = LLM(model=str(path), kv_cache_tokens=4096, page_size=4)
     try:
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=12, logprobs=True, ignore_eos=True))
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
+            max_tokens=12, logprobs=True, top_logprobs=4, ignore_eos=True))
     finally:
         llm.shutdown()
+    from transformers import DeepseekV3ForCausalLM
+
+    model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for p, o in zip(prompts, outs):
         full = p + o.token_ids
         ref = hf_prompt_logprobs(path, [full])[0][len(p) - 1 :]
         assert max(abs(a - b) for a, b in zip(ref, o.logprobs)) < 1e-4
+        # the 4 most likely tokens at each step, with their logprobs, most likely first
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([full])).logits[0].float(), dim=-1)[len(p) - 1 : -1]
+        assert len(o.top_logprobs) == len(o.token_ids)
+        for step, top in zip(lp, o.top_logprobs):
+            want = step.topk(4)
+            assert list(top) == want.indices.tolist()
+            assert max(abs(a - b) for a, b in zip(top.values(), want.values.tolist())) < 1e-4
 
 
 def test_prompt_logprobs_in_row_chunks_match_hf(tmp_path, monkeypatch):

@@ -52,13 +52,15 @@ def checkpoint(tmp_path_factory):
 
 
 def _greedy(path, prompts, **penalties) -> list[list[int]]:
+    return [o.token_ids for o in _generate(path, prompts, **penalties)]
+
+
+def _generate(path, prompts, **kw):
     llm = LLM(model=str(path), kv_cache_tokens=4096, page_size=4)
     try:
-        outs = llm.generate(prompt_token_ids=prompts,
-                            sampling_params=SamplingParams(max_tokens=32, ignore_eos=True, **penalties))
+        return llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=32, ignore_eos=True, **kw))
     finally:
         llm.shutdown()
-    return [o.token_ids for o in outs]
 
 
 def test_repetition_penalty_greedy_equals_hf_generate(checkpoint):
@@ -84,13 +86,17 @@ def test_presence_and_frequency_greedy_equal_hf_logits(checkpoint):
     model = DeepseekV3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     prompts = [[5, 9, 200, 31, 77, 4, 18, 3, 9, 9], [300, 2, 300, 2]]
     pres, freq = 0.6, 0.9
-    got = _greedy(checkpoint, prompts, presence_penalty=pres, frequency_penalty=freq)
-    for p, toks in zip(prompts, got):
+    outs = _generate(checkpoint, prompts, presence_penalty=pres, frequency_penalty=freq, logprobs=True)
+    got = [o.token_ids for o in outs]
+    for p, o in zip(prompts, outs):
         seq, counts = list(p), torch.zeros(model.config.vocab_size)
         with torch.no_grad():
-            for t in toks:
-                logits = model(torch.tensor([seq])).logits[0, -1] - freq * counts - pres * (counts > 0)
+            for t, reported in zip(o.token_ids, o.logprobs):
+                raw = model(torch.tensor([seq])).logits[0, -1]
+                logits = raw - freq * counts - pres * (counts > 0)
                 assert int(logits.argmax()) == t
+                # the reported logprob is the model's own, not the penalized distribution's
+                assert reported == pytest.approx(torch.log_softmax(raw, -1)[t].item(), abs=1e-4)
                 counts[t] += 1
                 seq.append(t)
     assert got != _greedy(checkpoint, prompts)

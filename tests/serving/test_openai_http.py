@@ -135,7 +135,8 @@ def test_chat_non_streaming_and_streaming(server: Any) -> None:
         {"role": "user", "content": "Sort a list."},
     ]
     r = server.client.chat.completions.create(
-        model=MODEL, messages=msgs, max_completion_tokens=10, temperature=0.0, logprobs=True
+        model=MODEL, messages=msgs, max_completion_tokens=10, temperature=0.0, logprobs=True,
+        top_logprobs=3,
     )
     assert r.id.startswith("chatcmpl-") and r.choices[0].message.role == "assistant"
     rendered = server.tokenizer.apply_chat_template(
@@ -144,6 +145,10 @@ def test_chat_non_streaming_and_streaming(server: Any) -> None:
     assert r.usage.prompt_tokens == len(server.tokenizer.encode(rendered, add_special_tokens=False))
     assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
     assert all(t.logprob <= 0.0 for t in r.choices[0].logprobs.content)
+    for t in r.choices[0].logprobs.content:  # greedy: the chosen token is the most likely one
+        assert len(t.top_logprobs) == 3
+        assert (t.top_logprobs[0].token, t.top_logprobs[0].logprob) == (t.token, t.logprob)
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob
     chunks = list(
         server.client.chat.completions.create(
             model=MODEL, messages=msgs, max_tokens=10, temperature=0.0, stream=True
@@ -411,3 +416,18 @@ def test_metrics_exported_after_traffic(server: Any) -> None:
     assert all(v >= 1 for _, v in reports)
     outstanding = _samples(text, "ray_moe_serve_router_outstanding_tokens")
     assert {lb["rank_replica"] for lb, _ in outstanding} == replicas
+
+
+def test_completion_top_logprobs_streamed_equal_whole(server: Any) -> None:
+    """Legacy completions `logprobs=2`: the chosen token and the 2 most likely per token, the
+    same whether streamed or not."""
+    kw = dict(model=MODEL, prompt="def main():", max_tokens=8, temperature=0.0, logprobs=2,
+              extra_body={"ignore_eos": True})
+    whole = server.client.completions.create(**kw).choices[0].logprobs
+    assert len(whole.tokens) == 8
+    for tok, lp, top in zip(whole.tokens, whole.token_logprobs, whole.top_logprobs, strict=True):
+        assert top[tok] == lp and 1 <= len(top) <= 3  # the chosen (greedy: the top one) + the 2 best
+        assert max(top.values()) == lp
+    streamed = [c.choices[0].logprobs for c in server.client.completions.create(stream=True, **kw)
+                if c.choices and c.choices[0].logprobs is not None]
+    assert [t for s in streamed for t in s.top_logprobs] == whole.top_logprobs
