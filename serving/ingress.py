@@ -36,7 +36,7 @@ from serving.protocol import (
     bad_request,
     validation_to_api_error,
 )
-from serving.responses import SSE_DONE, ResponseBuilder, sse
+from serving.responses import SSE_DONE, ResponseBuilder, merge_full, sse
 from serving.tokenizer import ModelLimits, load_tokenizer, model_limits
 
 logger = logging.getLogger("ray.serve")
@@ -71,6 +71,63 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 def _unwrap(e: BaseException) -> BaseException:
     """The user exception inside a Ray task error, if any (RayTaskError carries it as `cause`)."""
     return getattr(e, "cause", None) or e
+
+
+_END = object()
+
+
+def _own_internal_request_id() -> None:
+    """Give the current context's Serve handle calls an internal request id of their own. They
+    inherit the HTTP request's, and Serve's routing (ours too) tracks calls by it: n concurrent
+    calls sharing one are taken for one, and all but the first are never routed."""
+    from ray.serve._private.utils import generate_request_id
+    from ray.serve.context import _set_request_context
+
+    _set_request_context(_internal_request_id=generate_request_id())
+
+
+async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, output) from n output streams as they arrive. The first error (an
+    APIError) ends the whole; closing it closes every stream, whose cleanup aborts its engine
+    request."""
+    if len(gens) == 1:
+        try:
+            async for out in gens[0]:
+                yield 0, out
+        finally:
+            await gens[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[Any]) -> None:
+        _own_internal_request_id()  # this task's context only (tasks copy the context)
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, None, e))
+            return
+        queue.put_nowait((i, None, _END))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        live = len(gens)
+        while live:
+            i, out, err = await queue.get()
+            if err is _END:
+                live -= 1
+            elif err is not None:
+                raise err
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for g in gens:
+            await g.aclose()
 
 
 class OpenAIIngress:
@@ -142,25 +199,37 @@ class OpenAIIngress:
             logger.info("request %s rejected: %d %s", rid, e.status, e.message)
             return error_response(e, rid)
 
-        builder = ResponseBuilder(
-            kind="chat" if kind == "chat" else "completion",
-            request_id=rid,
-            model=self.model_name,
-            prompt_tokens=len(ids),
-            logprobs=bool(params.logprobs),
-            tokenizer=self.tokenizer,
-        )
+        n = req.n
+        builders = [
+            ResponseBuilder(
+                kind="chat" if kind == "chat" else "completion",
+                request_id=rid,
+                model=self.model_name,
+                prompt_tokens=len(ids),
+                logprobs=bool(params.logprobs),
+                tokenizer=self.tokenizer,
+                index=i,
+            )
+            for i in range(n)
+        ]
         logger.info(
-            "request %s: %s, %d prompt tokens, max_tokens=%d, stream=%s",
+            "request %s: %s, %d prompt tokens, max_tokens=%d, n=%d, stream=%s",
             rid,
             endpoint,
             len(ids),
             params.max_tokens,
+            n,
             req.stream,
         )
         self._inflight += 1
         self.metrics.running.set(self._inflight, tags=self._tags)
-        outputs = self._generate(rid, ids, params, arrival)
+        # n choices: n engine requests; with a seed, choice i samples with seed + i
+        outputs = _merge([
+            self._generate(rid if n == 1 else f"{rid}-{i}", ids,
+                           params if i == 0 or params.seed is None
+                           else params.model_copy(update={"seed": params.seed + i}), arrival)
+            for i in range(n)
+        ])
         if req.stream:
             # The first output is awaited before answering so that routing-time failures
             # (backpressure, a rank refusing the prompt) still get a proper status code.
@@ -173,24 +242,25 @@ class OpenAIIngress:
             except StopAsyncIteration:
                 first = None
             return StreamingResponse(
-                self._sse(outputs, first, builder, req.include_usage_in_stream, endpoint),
+                self._sse(outputs, first, builders, req.include_usage_in_stream, endpoint),
                 media_type="text/event-stream",
                 headers={"x-request-id": rid},
             )
         status = 500
         try:
-            final = None
-            async for out in outputs:
-                final = out
-            if final is None:
+            finals: dict[int, Any] = {}
+            async for i, out in outputs:
+                finals[i] = out
+            if len(finals) < n:
                 raise APIError(500, f"no output (request id {rid})", type="internal_error")
             status = 200
-            return JSONResponse(builder.full(final), headers={"x-request-id": rid})
+            body = merge_full([builders[i].full(finals[i]) for i in range(n)])
+            return JSONResponse(body, headers={"x-request-id": rid})
         except APIError as e:
             status = e.status
             return error_response(e, rid)
         except asyncio.CancelledError:
-            status = 499  # client went away; `_generate`'s cleanup aborted the engine request
+            status = 499  # client went away; `_generate`'s cleanup aborted the engine requests
             raise
         finally:
             await outputs.aclose()
@@ -381,26 +451,30 @@ class OpenAIIngress:
 
     async def _sse(
         self,
-        outputs: AsyncIterator[Any],
-        first: Any,
-        builder: ResponseBuilder,
+        outputs: AsyncIterator[tuple[int, Any]],
+        first: tuple[int, Any] | None,
+        builders: list[ResponseBuilder],
         include_usage: bool,
         endpoint: str,
     ) -> AsyncIterator[str]:
         status = 499
-        last = first
+        last: dict[int, Any] = {}
         try:
-            opening = builder.first_chunk()
-            if opening:
-                yield opening
-            if first is not None:
-                chunk = builder.delta_chunk(first)
-                if chunk:
-                    yield chunk
+            for b in builders:
+                opening = b.first_chunk()
+                if opening:
+                    yield opening
+
+            async def rest() -> AsyncIterator[tuple[int, Any]]:
+                if first is not None:
+                    yield first
+                async for item in outputs:
+                    yield item
+
             try:
-                async for out in outputs:
-                    last = out
-                    chunk = builder.delta_chunk(out)
+                async for i, out in rest():
+                    last[i] = out
+                    chunk = builders[i].delta_chunk(out)
                     if chunk:
                         yield chunk
             except APIError as e:
@@ -409,8 +483,8 @@ class OpenAIIngress:
                 yield sse(e.body())
                 yield SSE_DONE
                 return
-            if include_usage and last is not None:
-                yield builder.usage_chunk(last)
+            if include_usage and last:
+                yield builders[0].usage_chunk([last[i] for i in sorted(last)])
             yield SSE_DONE
             status = 200
         finally:

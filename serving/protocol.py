@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+MAX_N = 16  # choices per request; each is an engine request of its own (sharing the prompt's cache)
+
 
 class APIError(Exception):
     """An error the ingress answers with OpenAI's body `{"error": {message, type, param, code}}`."""
@@ -101,8 +103,8 @@ class _Request(BaseModel):
     @field_validator("n")
     @classmethod
     def _n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
+        if not 1 <= v <= MAX_N:
+            raise ValueError(f"n must lie in [1, {MAX_N}]")
         return v
 
     @field_validator("stop")

@@ -20,6 +20,7 @@ class ResponseBuilder:
     prompt_tokens: int
     logprobs: bool
     tokenizer: Any
+    index: int = 0  # the choice this builder describes (n > 1: one builder per choice)
     created: int = field(default_factory=lambda: int(time.time()))
     _sent_tokens: int = 0  # tokens already described in streamed logprobs
     _text_offset: int = 0
@@ -79,7 +80,7 @@ class ResponseBuilder:
         cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
         if self.kind == "chat":
             choice = {
-                "index": 0,
+                "index": self.index,
                 "message": {"role": "assistant", "content": out.text},
                 "logprobs": lp,
                 "finish_reason": out.finish_reason,
@@ -87,7 +88,7 @@ class ResponseBuilder:
             obj = "chat.completion"
         else:
             choice = {
-                "index": 0,
+                "index": self.index,
                 "text": out.text,
                 "logprobs": lp,
                 "finish_reason": out.finish_reason,
@@ -122,7 +123,7 @@ class ResponseBuilder:
         return self._chunk(
             [
                 {
-                    "index": 0,
+                    "index": self.index,
                     "delta": {"role": "assistant", "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
@@ -143,23 +144,36 @@ class ResponseBuilder:
         if self.kind == "chat":
             delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
             choice = {
-                "index": 0,
+                "index": self.index,
                 "delta": delta,
                 "logprobs": lps,
                 "finish_reason": out.finish_reason if out.finished else None,
             }
         else:
             choice = {
-                "index": 0,
+                "index": self.index,
                 "text": out.delta_text,
                 "logprobs": lps,
                 "finish_reason": out.finish_reason if out.finished else None,
             }
         return self._chunk([choice])
 
-    def usage_chunk(self, out: Any) -> str:
-        cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
-        return self._chunk([], usage=self.usage(len(out.token_ids), cached))
+    def usage_chunk(self, outs: list[Any]) -> str:
+        """The closing usage chunk over the last output of each choice (prompt counted once)."""
+        cached = outs[0].metrics.num_cached_tokens if outs[0].metrics is not None else 0
+        return self._chunk([], usage=self.usage(sum(len(o.token_ids) for o in outs), cached))
+
+
+def merge_full(bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """One response of n choices from the n single-choice bodies (index order): the prompt counted
+    once, completion tokens summed, as OpenAI reports them."""
+    merged = dict(bodies[0])
+    merged["choices"] = [c for b in bodies for c in b["choices"]]
+    usage = dict(bodies[0]["usage"])
+    usage["completion_tokens"] = sum(b["usage"]["completion_tokens"] for b in bodies)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    merged["usage"] = usage
+    return merged
 
 
 def sse(body: dict[str, Any]) -> str:

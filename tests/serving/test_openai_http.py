@@ -230,7 +230,7 @@ def test_bad_requests_get_openai_errors_while_a_stream_completes(server: Any) ->
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"model": MODEL, "prompt": too_long, "max_tokens": 4}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "prompt"),
-        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
         (
@@ -318,10 +318,12 @@ def _wait_metrics(
     pytest.fail(f"metrics never showed {what}; missing: {missing}")
 
 
-def test_client_disconnect_aborts_the_engine_request(server: Any) -> None:
-    """Leaving a stream early aborts the request in the engine: every rank's own load report
-    shows nothing running or waiting, long before the request could have finished, and the
-    ranks generated only a few of its tokens. Then the server keeps serving."""
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_aborts_the_engine_request(server: Any, n: int) -> None:
+    """Leaving a stream early aborts the request in the engine (all n of its engine requests):
+    every rank's own load report shows nothing running or waiting, long before the request
+    could have finished, and the ranks generated only a few of its tokens. Then the server
+    keeps serving."""
     gen = "ray_moe_serve_rank_generated_tokens_total"
     # Quiet first: both ranks idle and their generated-token totals settled (unchanged across
     # scrapes further apart than a report + export period), so later changes are ours.
@@ -338,7 +340,7 @@ def test_client_disconnect_aborts_the_engine_request(server: Any) -> None:
     prompt = "def f():"
     max_tokens = server.config.engine.max_model_len - len(server.tokenizer.encode(prompt)) - 1
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+            "ignore_eos": True, "n": n}  # fmt: skip
     with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         for _ in zip(range(4), r.iter_lines(), strict=False):
@@ -353,7 +355,7 @@ def test_client_disconnect_aborts_the_engine_request(server: Any) -> None:
 
     after = _wait_metrics(server.metrics_port, aborted, "the request gone from every rank")
     generated = sum(_per_rank(after, gen).values()) - generated_before
-    assert 0 < generated < max_tokens // 2, generated  # stopped early, not run to max_tokens
+    assert 0 < generated < n * max_tokens // 2, generated  # stopped early, not run to max_tokens
     r2 = server.client.completions.create(model=MODEL, prompt="ok", max_tokens=2)
     assert r2.usage.completion_tokens >= 1
 
@@ -431,3 +433,29 @@ def test_completion_top_logprobs_streamed_equal_whole(server: Any) -> None:
     streamed = [c.choices[0].logprobs for c in server.client.completions.create(stream=True, **kw)
                 if c.choices and c.choices[0].logprobs is not None]
     assert [t for s in streamed for t in s.top_logprobs] == whole.top_logprobs
+
+
+def test_n_choices_streamed_and_whole(server: Any) -> None:
+    """n choices: one engine request each (seed + i), usage counting the prompt once; streamed
+    choices interleave by index and add up to the same texts."""
+    kw = dict(model=MODEL, prompt="import os\n", max_tokens=12, temperature=1.0, seed=5, n=3,
+              extra_body={"ignore_eos": True})
+    whole = server.client.completions.create(**kw)
+    assert sorted(c.index for c in whole.choices) == [0, 1, 2]
+    assert len({c.text for c in whole.choices}) > 1  # different seeds, different samples
+    assert whole.usage.completion_tokens == 36
+    assert whole.usage.prompt_tokens == len(server.tokenizer.encode("import os\n"))
+    single = server.client.completions.create(**{**kw, "n": 1, "seed": 6})
+    assert single.choices[0].text == whole.choices[1].text  # choice 1 sampled with seed 5 + 1
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in server.client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+        usage = chunk.usage or usage
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert usage.completion_tokens == 36
+    chat = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same
