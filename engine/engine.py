@@ -197,6 +197,8 @@ class Engine:
                              f"({self.kv_capacity_tokens} tokens)")
         if params.stop_token_ids and any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise ValueError("stop_token_ids: ids outside the vocabulary")
+        if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must lie in [0, {self.vocab_size})")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     on_output: Callable[[RequestOutput], None], request_id: str | None = None) -> str:

@@ -54,6 +54,9 @@ class SamplingInfo:
     need_min_p: bool
     return_logprobs: bool
     top_logprobs: int = 0  # most likely tokens reported per row (the batch's largest request)
+    # logit_bias of the batch's requests: (row, token id) pairs [2, N] and their biases [N]
+    bias_index: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
     penalties: PenaltyInfo | None = None  # None: no request of the batch has a penalty
 
 

@@ -260,6 +260,9 @@ class ModelRunner:
         if fb.forward_mode == ForwardMode.IDLE or fb.batch_size == 0:
             return ForwardOutput(None, None, None, time.perf_counter() - t0)
         logits = raw = self.model.logits(hidden[fb.sample_index])
+        if fb.sampling.bias_index is not None:
+            logits = logits.index_put((fb.sampling.bias_index[0], fb.sampling.bias_index[1]),
+                                      fb.sampling.bias_values, accumulate=True)
         penalties = fb.sampling.penalties
         if penalties is not None:
             if self.penalties is None:  # allocated on first use: [slots, vocab] counts

@@ -23,6 +23,8 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    # OpenAI's: added to these tokens' logits before sampling (-100 bans a token, 100 forces it)
+    logit_bias: dict[int, float] | None = None
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=20, description="with logprobs: this many most likely tokens per step, with theirs")
     prompt_logprobs: bool = False
@@ -43,6 +45,19 @@ class SamplingParams(BaseModel):
         if v is not None and any(not s for s in v):
             raise ValueError("stop strings must be non-empty")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if v is None:
+            return None
+        if len(v) > 300:
+            raise ValueError("logit_bias: at most 300 tokens")
+        if any(not -100.0 <= b <= 100.0 for b in v.values()):
+            raise ValueError("logit_bias: values must lie in [-100, 100]")
+        if any(t < 0 for t in v):
+            raise ValueError("logit_bias: token ids must be non-negative")
+        return v or None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> SamplingParams:

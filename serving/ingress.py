@@ -341,6 +341,7 @@ class OpenAIIngress:
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias={int(t): b for t, b in req.logit_bias.items()} if req.logit_bias else None,
                 seed=req.seed,
                 stop=req.stop,
                 stop_token_ids=req.stop_token_ids,
@@ -350,6 +351,8 @@ class OpenAIIngress:
             )
         except ValidationError as e:
             raise validation_to_api_error(e) from None
+        if params.logit_bias and any(t >= lim.vocab_size for t in params.logit_bias):
+            raise bad_request(f"logit_bias: token ids must lie in [0, {lim.vocab_size})", param="logit_bias")
         return req, ids, params
 
     async def _generate(

@@ -1,7 +1,7 @@
 """OpenAI request schemas (what we accept) and the OpenAI error body.
 
 Requests are parsed strictly: a wrong JSON type is a 400, never silently coerced ("5" is not 5),
-and a field OpenAI defines but we do not implement (`tools`, `logit_bias`, `echo: true`, ...) is a
+and a field OpenAI defines but we do not implement (`tools`, `echo: true`, ...) is a
 400 naming it rather than an ignored knob that makes outputs differ from what the client asked.
 A few non-OpenAI extras that vLLM and SGLang also accept (`top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`) go through `extra_body` of the official client.
@@ -93,6 +93,7 @@ class _Request(BaseModel):
     user: str | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's) -> bias
     # Extras (not in OpenAI's schema), as in vLLM / SGLang.
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     top_k: int | None = None
@@ -105,6 +106,13 @@ class _Request(BaseModel):
     def _n(cls, v: int) -> int:
         if not 1 <= v <= MAX_N:
             raise ValueError(f"n must lie in [1, {MAX_N}]")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None and any(not k.isdigit() for k in v):
+            raise ValueError("keys must be token ids")
         return v
 
     @field_validator("stop")

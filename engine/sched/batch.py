@@ -52,6 +52,15 @@ def _penalty_info(reqs: list[Req], slots: list[int], mode: ForwardMode, sample_m
     )
 
 
+def _logit_bias(ps: list) -> dict:
+    pairs = [(i, t, b) for i, p in enumerate(ps) if p.logit_bias for t, b in p.logit_bias.items()]
+    if not pairs:
+        return {}
+    rows, toks, vals = zip(*pairs)
+    return {"bias_index": torch.tensor([rows, toks], dtype=torch.int64),
+            "bias_values": torch.tensor(vals, dtype=torch.float32)}
+
+
 def _sampling_info(reqs: list[Req], vocab_size: int, slots: list[int], mode: ForwardMode,
                    sample_mask: list[bool]) -> SamplingInfo:
     ps = [r.params for r in reqs]
@@ -70,6 +79,7 @@ def _sampling_info(reqs: list[Req], vocab_size: int, slots: list[int], mode: For
         need_min_p=any(p.min_p > 0.0 and not p.greedy for p in ps),
         return_logprobs=any(p.logprobs for p in ps),
         top_logprobs=max(p.top_logprobs for p in ps),
+        **_logit_bias(ps),
         penalties=_penalty_info(reqs, slots, mode, sample_mask) if any(p.has_penalties for p in ps) else None,
     )
 

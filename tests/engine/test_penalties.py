@@ -1,5 +1,6 @@
-"""Presence / frequency / repetition penalties: the math, HF transformers as the oracle for
-greedy decoding, and the device-side token counts under overlap, executors and retraction."""
+"""Presence / frequency / repetition penalties and logit bias: the math, HF transformers as the
+oracle for greedy decoding, and the device-side token counts under overlap, executors and
+retraction."""
 
 from __future__ import annotations
 
@@ -125,3 +126,16 @@ def test_penalties_identical_across_executors_and_retraction():
             llm.shutdown()
     assert results["inline"] == results["thread"] == results["process"] == results["retracting"]
     assert retractions > 0
+
+
+def test_logit_bias_forces_and_bans_tokens(checkpoint):
+    prompts = [[5, 9, 200, 31], [100, 101, 102]]
+    plain = _greedy(checkpoint, prompts)
+    assert {t for toks in _greedy(checkpoint, prompts, logit_bias={77: 100.0}) for t in toks} == {77}
+    banned = {toks[0]: -100.0 for toks in plain}
+    got = _greedy(checkpoint, prompts, logit_bias=banned)
+    assert all(t not in banned for toks in got for t in toks)
+    outs = _generate(checkpoint, prompts, logit_bias={77: 100.0}, logprobs=True)
+    assert all(lp < -0.5 for o in outs for lp in o.logprobs)  # the model's own logprobs of token 77
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})

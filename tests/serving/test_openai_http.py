@@ -231,6 +231,8 @@ def test_bad_requests_get_openai_errors_while_a_stream_completes(server: Any) ->
         ("/v1/completions", {"model": MODEL, "prompt": too_long, "max_tokens": 4}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
         (
@@ -458,4 +460,7 @@ def test_n_choices_streamed_and_whole(server: Any) -> None:
     chat = server.client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0, n=2)
     assert [c.index for c in chat.choices] == [0, 1]
+    forced = server.client.completions.create(model=MODEL, prompt="x", max_tokens=5, temperature=0.0,
+                                              logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == server.tokenizer.decode([42] * 5)  # the biased token, 5 times
     assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same
