@@ -89,7 +89,7 @@ def _extend(attn: MLAttention, cfg, args) -> dict:
                 if args.device == "cuda":
                     torch.cuda.synchronize()
                 times[k].append(time.perf_counter() - t0)
-                outs[k + "_groups"] = len(fb.attn.extend_groups)
+                outs[k + "_groups"] = len(fb.attn.layer_plan[0])
     deepseek_v3.EXTEND_GROUP_ELEMS = default
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
     r = {"one_group_ms": med["one_group"] * 1e3, "groups_ms": med["groups"] * 1e3,

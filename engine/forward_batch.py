@@ -34,8 +34,9 @@ class AttentionMetadata:
     kv_indices: torch.Tensor
     kv_mask: torch.Tensor
     prefix: torch.Tensor | None = None
-    # set by the model on the device copy at its first layer (EXTEND), reused by every layer
-    extend_groups: list | None = None
+    # set by the model on the device copy at its first layer, reused by every layer: its
+    # attention plan (extend: request groups; decode: split-KV chunks, or None for one pass)
+    layer_plan: tuple | None = None
 
 
 @dataclass

@@ -253,8 +253,8 @@ def extend_groups(fb: ForwardBatch, key_elems: int) -> list[ExtendGroup]:
     """The extend batch's request groups with their device-side query layouts and causal masks,
     built at the first layer and kept on the batch's metadata for the others."""
     md = fb.attn
-    if md.extend_groups is not None:
-        return md.extend_groups
+    if md.layer_plan is not None:
+        return md.layer_plan[0]
     device = md.kv_indices.device
     budget = EXTEND_GROUP_ELEMS.get(device.type, EXTEND_GROUP_ELEMS["cuda"])
     prefix, ext = fb.prefix_lens, fb.extend_lens
@@ -271,18 +271,23 @@ def extend_groups(fb: ForwardBatch, key_elems: int) -> list[ExtendGroup]:
         groups.append(ExtendGroup(slice(r0, r1), S, q_index.to(device, non_blocking=True),
                                   q_src.to(device, non_blocking=True), mask[:, None]))
         t0 += int(e.sum())
-    md.extend_groups = groups
+    md.layer_plan = (groups,)
     return groups
 
 
 def decode_plan(fb: ForwardBatch, width: int) -> tuple[list[int], list[tuple[int, int, int]]] | None:
     """`plan_decode_chunks` for a decode batch, from its host-side lengths (a batch without them,
-    such as a CUDA graph's static one, runs one padded pass)."""
-    if not fb.prefix_lens or len(fb.prefix_lens) != fb.batch_size:
-        return None
-    budget = DECODE_GATHER_ELEMS.get(fb.attn.kv_indices.device.type, DECODE_GATHER_ELEMS["cuda"])
-    return plan_decode_chunks([p + e for p, e in zip(fb.prefix_lens, fb.extend_lens)], width, budget,
-                              _DECODE_MIN_CHUNK)
+    such as a CUDA graph's static one, runs one padded pass); planned at the first layer."""
+    md = fb.attn
+    if md.layer_plan is not None:
+        return md.layer_plan[0]
+    plan = None
+    if fb.prefix_lens and len(fb.prefix_lens) == fb.batch_size:
+        budget = DECODE_GATHER_ELEMS.get(md.kv_indices.device.type, DECODE_GATHER_ELEMS["cuda"])
+        plan = plan_decode_chunks([p + e for p, e in zip(fb.prefix_lens, fb.extend_lens)], width, budget,
+                                  _DECODE_MIN_CHUNK)
+    md.layer_plan = (plan,)
+    return plan
 
 
 class TopkRouter(nn.Module):
