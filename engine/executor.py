@@ -45,6 +45,8 @@ class HostOutput:
     prompt_logprobs: list[float] | None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    prompt_top_ids: list[list[int]] | None = None
+    prompt_top_logprobs: list[list[float]] | None = None
 
 
 @dataclass

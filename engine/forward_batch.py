@@ -111,6 +111,7 @@ class ForwardBatch:
     # row index; logprobs of token i+1 under position i are returned for each range.
     prompt_logprob_ranges: list[tuple[int, int, int]] = field(default_factory=list)
     prompt_logprob_targets: torch.Tensor | None = None  # next prompt token of each range position
+    prompt_logprob_top: int = 0  # the most likely tokens reported at prompt positions too
     # lockstep: token count of every rank in the group this step (EP); [T] for one rank
     global_num_tokens: list[int] = field(default_factory=list)
     can_run_tbo: bool = False

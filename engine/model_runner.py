@@ -40,10 +40,13 @@ class ForwardOutput:
     forward_time: float = 0.0
     top_ids: torch.Tensor | None = None  # [B, K] the most likely tokens (top_logprobs)
     top_logprobs: torch.Tensor | None = None  # [B, K]
+    prompt_top_ids: torch.Tensor | None = None  # [N, K] at the prompt-logprob positions
+    prompt_top_logprobs: torch.Tensor | None = None
 
     def host_tensors(self) -> tuple[torch.Tensor | None, ...]:
         """The tensors `HostOutput` is made of, in its field order."""
-        return self.next_ids, self.logprobs, self.prompt_logprobs, self.top_ids, self.top_logprobs
+        return (self.next_ids, self.logprobs, self.prompt_logprobs, self.top_ids, self.top_logprobs,
+                self.prompt_top_ids, self.prompt_top_logprobs)
 
 
 class FutureMap:
@@ -233,15 +236,24 @@ class ModelRunner:
             for d in moe.dispatchers:
                 d.set_mode(mode)
 
-    def _token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """log p(target) of each row, in row chunks: a long prompt's full-vocabulary float32
-        logits (8192 x 129280 is 4 GB, twice with a log-softmax) never exist at once."""
-        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        for s in range(0, hidden.shape[0], _LOGPROB_ROWS):
+    def _token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor,
+                        top: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """log p(target) of each row, and with `top` the most likely tokens' (ids, logprobs), in
+        row chunks: a long prompt's full-vocabulary float32 logits (8192 x 129280 is 4 GB, twice
+        with a log-softmax) never exist at once."""
+        n = hidden.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        top_ids = torch.empty(n, top, dtype=torch.int64, device=hidden.device) if top else None
+        top_lps = torch.empty(n, top, dtype=torch.float32, device=hidden.device) if top else None
+        for s in range(0, n, _LOGPROB_ROWS):
             logits = self.model.logits(hidden[s:s + _LOGPROB_ROWS])
-            out[s:s + _LOGPROB_ROWS] = (logits.gather(1, targets[s:s + _LOGPROB_ROWS, None]).squeeze(1)
-                                        - torch.logsumexp(logits, dim=-1))
-        return out
+            norm = torch.logsumexp(logits, dim=-1)
+            out[s:s + _LOGPROB_ROWS] = logits.gather(1, targets[s:s + _LOGPROB_ROWS, None]).squeeze(1) - norm
+            if top:
+                best = logits.topk(min(top, logits.shape[-1]), dim=-1)
+                top_ids[s:s + _LOGPROB_ROWS] = best.indices
+                top_lps[s:s + _LOGPROB_ROWS] = best.values - norm[:, None]
+        return out, top_ids, top_lps
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
@@ -274,9 +286,10 @@ class ModelRunner:
         if penalties is not None:
             self.penalties.observe(penalties, next_ids)
         self.futures.store(fb.future_slots, next_ids)
-        plp = None
+        plp = plp_ids = plp_top = None
         if fb.prompt_logprob_ranges:
             idx = torch.cat([torch.arange(s, e) for s, e, _ in fb.prompt_logprob_ranges]).to(self.device)
-            plp = self._token_logprobs(hidden[idx], fb.prompt_logprob_targets)
+            plp, plp_ids, plp_top = self._token_logprobs(hidden[idx], fb.prompt_logprob_targets,
+                                                         fb.prompt_logprob_top)
         return ForwardOutput(next_ids, sampled.logprobs, plp, time.perf_counter() - t0,
-                             sampled.top_ids, sampled.top_logprobs)
+                             sampled.top_ids, sampled.top_logprobs, plp_ids, plp_top)

@@ -34,4 +34,6 @@ class RequestOutput:
     # per generated token, with top_logprobs: {token id: logprob} of the most likely tokens
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None
+    # with prompt_logprobs and top_logprobs: the most likely tokens at each prompt position
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     metrics: RequestMetrics | None = None

@@ -52,9 +52,12 @@ class Req:
         self.text = ""  # all finalized text (stop strings removed)
         self.emitted_len = 0  # chars of `text` already sent
         self.logprobs: list[float] | None = [] if params.logprobs else None
-        self.top_logprobs: list[dict[int, float]] | None = [] if params.top_logprobs else None
+        self.top_logprobs: list[dict[int, float]] | None = [] if params.top_logprobs and params.logprobs else None
         self.prompt_logprobs: list[float | None] | None = None
         self.prompt_logprob_parts: list[float] = []  # accumulated over prefill chunks
+        want_prompt_top = params.prompt_logprobs and params.top_logprobs > 0
+        self.prompt_top_parts: list[dict[int, float]] | None = [] if want_prompt_top else None
+        self.prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def fill_ids(self) -> list[int]:
@@ -136,5 +139,6 @@ class Req:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             top_logprobs=list(self.top_logprobs) if self.top_logprobs is not None else None,
             prompt_logprobs=self.prompt_logprobs,
+            prompt_top_logprobs=self.prompt_top_logprobs,
             metrics=self.metrics,
         )

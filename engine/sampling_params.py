@@ -26,7 +26,9 @@ class SamplingParams(BaseModel):
     # OpenAI's: added to these tokens' logits before sampling (-100 bans a token, 100 forces it)
     logit_bias: dict[int, float] | None = None
     logprobs: bool = False
-    top_logprobs: int = Field(0, ge=0, le=20, description="with logprobs: this many most likely tokens per step, with theirs")
+    top_logprobs: int = Field(0, ge=0, le=20, description=(
+        "with logprobs / prompt_logprobs: also the logprobs of this many most likely tokens at "
+        "each generated / prompt position"))
     prompt_logprobs: bool = False
     priority: int = 0  # lower runs first under schedule_policy="priority"
 
@@ -61,8 +63,8 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> SamplingParams:
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs=True")
+        if self.top_logprobs and not (self.logprobs or self.prompt_logprobs):
+            raise ValueError("top_logprobs requires logprobs=True or prompt_logprobs=True")
         return self
 
     @property

@@ -209,6 +209,10 @@ class OpenAIIngress:
                 logprobs=bool(params.logprobs),
                 tokenizer=self.tokenizer,
                 index=i,
+                echo_ids=ids if kind == "completion" and req.echo else None,
+                echo_text=(req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(ids))
+                if kind == "completion" and req.echo else "",
+                hide_output=kind == "completion" and req.max_tokens == 0,
             )
             for i in range(n)
         ]
@@ -302,11 +306,13 @@ class OpenAIIngress:
                 ),
             )
             want_logprobs, top = req.logprobs, req.top_logprobs or 0
+            echo = False
         else:
             prompt = req.prompt
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             max_tokens, max_param = req.max_tokens, "max_tokens"
             want_logprobs, top = req.logprobs is not None, req.logprobs or 0
+            echo = req.echo
         lim = self.limits
         if not ids:
             raise bad_request("prompt: empty after tokenization", param="prompt")
@@ -333,7 +339,7 @@ class OpenAIIngress:
             )
         try:
             params = SamplingParams(
-                max_tokens=max_tokens,
+                max_tokens=max(max_tokens, 1),  # echo with max_tokens 0: one token, not reported
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k is None else req.top_k,
@@ -348,6 +354,7 @@ class OpenAIIngress:
                 ignore_eos=req.ignore_eos,
                 logprobs=want_logprobs,
                 top_logprobs=top,
+                prompt_logprobs=echo and want_logprobs,
             )
         except ValidationError as e:
             raise validation_to_api_error(e) from None

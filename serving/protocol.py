@@ -1,7 +1,7 @@
 """OpenAI request schemas (what we accept) and the OpenAI error body.
 
 Requests are parsed strictly: a wrong JSON type is a 400, never silently coerced ("5" is not 5),
-and a field OpenAI defines but we do not implement (`tools`, `echo: true`, ...) is a
+and a field OpenAI defines but we do not implement (`tools`, `suffix`, ...) is a
 400 naming it rather than an ignored knob that makes outputs differ from what the client asked.
 A few non-OpenAI extras that vLLM and SGLang also accept (`top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`) go through `extra_body` of the official client.
@@ -145,17 +145,17 @@ class StreamOptions(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
     # OpenAI: the chosen token's logprob and the `logprobs` most likely tokens' (0..5)
     logprobs: int | None = Field(None, ge=0, le=5)
+    # the prompt ahead of the completion, in the text and (with logprobs) in the logprobs
     echo: bool = False
 
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo=true is not supported")
-        return v
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only allowed with echo=true")
+        return self
 
     @field_validator("prompt")
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -21,8 +22,12 @@ class ResponseBuilder:
     logprobs: bool
     tokenizer: Any
     index: int = 0  # the choice this builder describes (n > 1: one builder per choice)
+    echo_ids: list[int] | None = None  # completions echo: the prompt goes ahead of the completion
+    echo_text: str = ""  # ... as the client sent it (a token-id prompt: decoded)
+    hide_output: bool = False  # max_tokens 0 (with echo): the one generated token is not reported
     created: int = field(default_factory=lambda: int(time.time()))
     _sent_tokens: int = 0  # tokens already described in streamed logprobs
+    _echoed: bool = False
     _text_offset: int = 0
 
     # ---- pieces -----------------------------------------------------------------------------------
@@ -45,7 +50,7 @@ class ResponseBuilder:
         lps = list(logprobs or [])[: len(token_ids)]
         ids = token_ids[: len(lps)]
         toks = [self.tokenizer.decode([t]) for t in ids]
-        tops = list(tops or [])[: len(lps)] + [{}] * (len(lps) - len(tops or []))
+        tops = [t or {} for t in list(tops or [])[: len(lps)]] + [{}] * (len(lps) - len(tops or []))
         if self.kind == "chat":
             def entry(text: str, lp: float) -> dict[str, Any]:
                 return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
@@ -62,9 +67,12 @@ class ResponseBuilder:
             offsets.append(self._text_offset)
             self._text_offset += len(t)
         # legacy completions: {token text: logprob} of the top tokens, the chosen one included
-        top_dicts = []
+        top_dicts: list[dict[str, float] | None] = []
         for t, lp, top in zip(toks, lps, tops, strict=True):
-            d = {self.tokenizer.decode([i]): v for i, v in top.items()}
+            if lp is None:  # the first prompt token (echo) has no logprob
+                top_dicts.append(None)
+                continue
+            d = {self.tokenizer.decode([i]): v for i, v in (top or {}).items()}
             d.setdefault(t, lp)
             top_dicts.append(d)
         return {
@@ -75,8 +83,29 @@ class ResponseBuilder:
         }
 
     # ---- full (non-streaming) response -------------------------------------------------------------
+    def _echo(self, out: Any) -> tuple[str, dict[str, Any] | None]:
+        """The prompt's text and (with logprobs) its logprobs, for echo."""
+        ids = self.echo_ids or []
+        lp = None
+        if self.logprobs:
+            lp = self._logprobs(ids, out.prompt_logprobs or [None] * len(ids), out.prompt_top_logprobs)
+        return self.echo_text, lp
+
+    def _shown(self, out: Any) -> Any:
+        """`out` as reported: without its generated token under max_tokens 0."""
+        if not self.hide_output:
+            return out
+        return dataclasses.replace(out, token_ids=[], text="", delta_text="", logprobs=[],
+                                   top_logprobs=[] if out.top_logprobs is not None else None,
+                                   finish_reason="length" if out.finished else out.finish_reason)
+
     def full(self, out: Any) -> dict[str, Any]:
+        out = self._shown(out)
+        head_text, head_lp = self._echo(out) if self.echo_ids is not None else ("", None)
         lp = self._logprobs(list(out.token_ids), out.logprobs, out.top_logprobs)
+        if head_lp is not None:
+            lp = {k: head_lp[k] + lp[k] for k in lp}
+        out = dataclasses.replace(out, text=head_text + out.text) if self.echo_ids is not None else out
         cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
         if self.kind == "chat":
             choice = {
@@ -133,11 +162,19 @@ class ResponseBuilder:
 
     def delta_chunk(self, out: Any) -> str | None:
         """A chunk for the tokens/text new in `out`, or None when there is nothing to send."""
+        out = self._shown(out)
+        head_text, head_lp = "", None
+        if self.echo_ids is not None and not self._echoed:  # the first chunk carries the prompt
+            self._echoed = True
+            head_text, head_lp = self._echo(out)
+            out = dataclasses.replace(out, delta_text=head_text + out.delta_text)
         new_ids = list(out.token_ids[self._sent_tokens :])
         lps = None
         if self.logprobs and out.logprobs is not None and new_ids:
             tops = out.top_logprobs[self._sent_tokens :] if out.top_logprobs is not None else None
             lps = self._logprobs(new_ids, list(out.logprobs[self._sent_tokens :]), tops)
+        if head_lp is not None:
+            lps = head_lp if lps is None else {k: head_lp[k] + lps[k] for k in lps}
         self._sent_tokens = len(out.token_ids)
         if not out.delta_text and not out.finished and lps is None:
             return None
@@ -160,6 +197,7 @@ class ResponseBuilder:
 
     def usage_chunk(self, outs: list[Any]) -> str:
         """The closing usage chunk over the last output of each choice (prompt counted once)."""
+        outs = [self._shown(o) for o in outs]
         cached = outs[0].metrics.num_cached_tokens if outs[0].metrics is not None else 0
         return self._chunk([], usage=self.usage(sum(len(o.token_ids) for o in outs), cached))
 

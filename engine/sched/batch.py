@@ -150,6 +150,7 @@ def build_batch(mode: ForwardMode, reqs: list[Req], extend_lens: list[int], tabl
         future_slots=torch.tensor(future_slots, dtype=torch.int64),
         prompt_logprob_ranges=plp,
         prompt_logprob_targets=torch.tensor(targets, dtype=torch.int64),
+        prompt_logprob_top=max((reqs[i].params.top_logprobs for _, _, i in plp), default=0),
         prefix_lens=prefix.tolist(),
         extend_lens=list(extend_lens),
     )

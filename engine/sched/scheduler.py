@@ -261,11 +261,18 @@ class Scheduler:
                 continue
             if n_plp:
                 req.prompt_logprob_parts.extend(prompt_logprobs[plp_off : plp_off + n_plp])
+                if req.prompt_top_parts is not None and out.prompt_top_ids is not None:
+                    k = req.params.top_logprobs
+                    req.prompt_top_parts.extend(
+                        dict(zip(ids[:k], lps[:k])) for ids, lps in
+                        zip(out.prompt_top_ids[plp_off : plp_off + n_plp], out.prompt_top_logprobs[plp_off : plp_off + n_plp]))
                 plp_off += n_plp
             if not batch.sample_mask[i]:
                 continue
             if req.params.prompt_logprobs and req.prompt_logprobs is None:
                 req.prompt_logprobs = [None] + req.prompt_logprob_parts
+                if req.prompt_top_parts is not None:
+                    req.prompt_top_logprobs = [None] + req.prompt_top_parts
             if req.pending_future == batch.future_ids[i]:
                 req.pending_future = None
             tok = next_ids[i]

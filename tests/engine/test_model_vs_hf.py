@@ -165,3 +165,28 @@ def test_extend_in_request_groups_matches_hf(tmp_path, monkeypatch):
     for r, g in zip(ref, got):
         assert len(r) == len(g)
         assert max(abs(a - b) for a, b in zip(r, g)) < 1e-4
+
+
+def test_prompt_top_logprobs_match_hf(tmp_path):
+    """With prompt_logprobs and top_logprobs, every prompt position also reports the most likely
+    tokens: HF's top-k of its log-softmax there (across a prefill chunk boundary)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    path = make_random_dsv3_checkpoint(tmp_path / "ptop", seed=9)
+    prompts = _prompts(500, [37, 5])
+    llm = LLM(model=str(path), kv_cache_tokens=4096, page_size=4, chunked_prefill_size=24)
+    try:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
+            max_tokens=1, prompt_logprobs=True, top_logprobs=3))
+    finally:
+        llm.shutdown()
+    model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for p, o in zip(prompts, outs):
+        assert o.prompt_top_logprobs[0] is None and len(o.prompt_top_logprobs) == len(p)
+        assert o.top_logprobs is None  # generated tokens' tops need logprobs=True
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([p])).logits[0].float(), dim=-1)[:-1]
+        for step, top in zip(lp, o.prompt_top_logprobs[1:]):
+            want = step.topk(3)
+            assert list(top) == want.indices.tolist()
+            assert max(abs(a - b) for a, b in zip(top.values(), want.values.tolist())) < 1e-4

@@ -464,3 +464,44 @@ def test_n_choices_streamed_and_whole(server: Any) -> None:
                                               logit_bias={"42": 100}, extra_body={"ignore_eos": True})
     assert forced.choices[0].text == server.tokenizer.decode([42] * 5)  # the biased token, 5 times
     assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same
+
+
+def test_echo_scores_the_prompt_as_eval_harnesses_ask(server: Any) -> None:
+    """Legacy completions `echo` (lm-eval-harness's loglikelihood request: echo, logprobs=1,
+    max_tokens 0): the prompt's own tokens with their logprobs (None for the first) and the
+    most likely token at each position, equal to the offline engine's; no completion tokens.
+    With max_tokens > 0 the completion follows the prompt, streamed or not."""
+    from engine import LLM, SamplingParams
+
+    text = "def add(a, b):\n    return a + b\n"
+    ids = server.tokenizer.encode(text)
+    r = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1,
+                                         temperature=0.0)
+    c = r.choices[0]
+    assert c.text == server.tokenizer.decode(ids) and c.finish_reason == "length"  # token ids: decoded
+    assert r.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for tok, chosen, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert top[tok] == chosen and 1 <= len(top) <= 2 and max(top.values()) >= chosen
+    engine_args = server.config.engine.model_dump()
+    engine_args.update(ep_size=1, moe_a2a_backend="auto")
+    llm = LLM(**engine_args)
+    try:
+        ref = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
+            max_tokens=1, prompt_logprobs=True, top_logprobs=1))[0]
+    finally:
+        llm.shutdown()
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], ref.prompt_logprobs[1:])) < 1e-3
+    best = [max(top, key=top.get) for top in lp.top_logprobs[1:]]
+    assert best == [server.tokenizer.decode([next(iter(t))]) for t in ref.prompt_top_logprobs[1:]]
+
+    kw = dict(model=MODEL, prompt=text, max_tokens=4, echo=True, logprobs=0, temperature=0.0,
+              extra_body={"ignore_eos": True})
+    whole = server.client.completions.create(**kw).choices[0]
+    assert whole.text.startswith(text) and len(whole.text) > len(text)
+    assert len(whole.logprobs.tokens) == len(ids) + 4
+    streamed = "".join(ch.choices[0].text for ch in server.client.completions.create(stream=True, **kw)
+                       if ch.choices)
+    assert streamed == whole.text
