@@ -160,7 +160,7 @@ class CompletionRequest(_Request):
     @field_validator("prompt")
     @classmethod
     def _single_prompt(cls, v: Any) -> str | list[int]:
-        # One prompt per request (n=1 and no batching in one call): unwrap a one-element batch.
+        # One prompt per request (no batching of prompts in one call): unwrap a one-element batch.
         if isinstance(v, list) and v and isinstance(v[0], (str, list)):
             if len(v) != 1:
                 raise ValueError("only one prompt per request is supported")
