@@ -14,6 +14,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -74,6 +75,17 @@ def _unwrap(e: BaseException) -> BaseException:
 
 
 _END = object()
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """One prompt of a request, checked and tokenized, with its sampling parameters."""
+
+    ids: list[int]
+    params: SamplingParams
+    echo: bool = False
+    echo_text: str = ""  # echo: the prompt as the client sent it (token ids: decoded)
+    hide_output: bool = False  # max_tokens 0 with echo: the one generated token is not reported
 
 
 def _own_internal_request_id() -> None:
@@ -193,47 +205,48 @@ class OpenAIIngress:
                     retry_after_s=RETRY_AFTER_S,
                 )
             body = await request.body()
-            req, ids, params = self._prepare(body, kind)
+            req, prompts = self._prepare(body, kind)
         except APIError as e:
             self._count(endpoint, e.status)
             logger.info("request %s rejected: %d %s", rid, e.status, e.message)
             return error_response(e, rid)
 
+        # choice index = prompt index * n + j: one engine request each (with a seed, choice j of
+        # a prompt samples with seed + j)
         n = req.n
-        builders = [
-            ResponseBuilder(
-                kind="chat" if kind == "chat" else "completion",
-                request_id=rid,
-                model=self.model_name,
-                prompt_tokens=len(ids),
-                logprobs=bool(params.logprobs),
-                tokenizer=self.tokenizer,
-                index=i,
-                echo_ids=ids if kind == "completion" and req.echo else None,
-                echo_text=(req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(ids))
-                if kind == "completion" and req.echo else "",
-                hide_output=kind == "completion" and req.max_tokens == 0,
-            )
-            for i in range(n)
-        ]
+        builders, gens = [], []
+        for p, pr in enumerate(prompts):
+            for j in range(n):
+                index = p * n + j
+                builders.append(ResponseBuilder(
+                    kind="chat" if kind == "chat" else "completion",
+                    request_id=rid,
+                    model=self.model_name,
+                    prompt_tokens=len(pr.ids),
+                    logprobs=bool(pr.params.logprobs),
+                    tokenizer=self.tokenizer,
+                    index=index,
+                    echo_ids=pr.ids if pr.echo else None,
+                    echo_text=pr.echo_text,
+                    hide_output=pr.hide_output,
+                ))
+                params = (pr.params if j == 0 or pr.params.seed is None
+                          else pr.params.model_copy(update={"seed": pr.params.seed + j}))
+                gens.append(self._generate(rid if len(prompts) * n == 1 else f"{rid}-{index}", pr.ids,
+                                           params, arrival))
         logger.info(
-            "request %s: %s, %d prompt tokens, max_tokens=%d, n=%d, stream=%s",
+            "request %s: %s, %d prompt(s), %d prompt tokens, max_tokens=%d, n=%d, stream=%s",
             rid,
             endpoint,
-            len(ids),
-            params.max_tokens,
+            len(prompts),
+            sum(len(pr.ids) for pr in prompts),
+            prompts[0].params.max_tokens,
             n,
             req.stream,
         )
         self._inflight += 1
         self.metrics.running.set(self._inflight, tags=self._tags)
-        # n choices: n engine requests; with a seed, choice i samples with seed + i
-        outputs = _merge([
-            self._generate(rid if n == 1 else f"{rid}-{i}", ids,
-                           params if i == 0 or params.seed is None
-                           else params.model_copy(update={"seed": params.seed + i}), arrival)
-            for i in range(n)
-        ])
+        outputs = _merge(gens)
         if req.stream:
             # The first output is awaited before answering so that routing-time failures
             # (backpressure, a rank refusing the prompt) still get a proper status code.
@@ -246,7 +259,7 @@ class OpenAIIngress:
             except StopAsyncIteration:
                 first = None
             return StreamingResponse(
-                self._sse(outputs, first, builders, req.include_usage_in_stream, endpoint),
+                self._sse(outputs, first, builders, req.include_usage_in_stream, endpoint, n),
                 media_type="text/event-stream",
                 headers={"x-request-id": rid},
             )
@@ -255,10 +268,10 @@ class OpenAIIngress:
             finals: dict[int, Any] = {}
             async for i, out in outputs:
                 finals[i] = out
-            if len(finals) < n:
+            if len(finals) < len(builders):
                 raise APIError(500, f"no output (request id {rid})", type="internal_error")
             status = 200
-            body = merge_full([builders[i].full(finals[i]) for i in range(n)])
+            body = merge_full([b.full(finals[b.index]) for b in builders], n)
             return JSONResponse(body, headers={"x-request-id": rid})
         except APIError as e:
             status = e.status
@@ -270,7 +283,7 @@ class OpenAIIngress:
             await outputs.aclose()
             self._done(endpoint, status)
 
-    def _prepare(self, body: bytes, kind: str) -> tuple[Any, list[int], SamplingParams]:
+    def _prepare(self, body: bytes, kind: str) -> tuple[Any, list[_Prompt]]:
         """Parse, validate and tokenize; raises APIError (400/404) naming the problem."""
         model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
         try:
@@ -306,13 +319,25 @@ class OpenAIIngress:
                 ),
             )
             want_logprobs, top = req.logprobs, req.top_logprobs or 0
-            echo = False
-        else:
-            prompt = req.prompt
+            return req, [self._prompt(req, ids, max_tokens, max_param, want_logprobs, top, False, "")]
+        prompts = []
+        for k, prompt in enumerate(req.prompts):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            max_tokens, max_param = req.max_tokens, "max_tokens"
-            want_logprobs, top = req.logprobs is not None, req.logprobs or 0
-            echo = req.echo
+            echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+            where = "prompt" if len(req.prompts) == 1 else f"prompt[{k}]"
+            try:
+                prompts.append(self._prompt(req, ids, req.max_tokens, "max_tokens", req.logprobs is not None,
+                                            req.logprobs or 0, req.echo, echo_text))
+            except APIError as e:  # name the prompt of a batch that failed
+                if where != "prompt" and e.message.startswith("prompt:"):
+                    raise bad_request(where + e.message.removeprefix("prompt"), param=where,
+                                      code=e.code) from None
+                raise
+        return req, prompts
+
+    def _prompt(self, req: Any, ids: list[int], max_tokens: int | None, max_param: str,
+                want_logprobs: bool, top: int, echo: bool, echo_text: str) -> _Prompt:
+        """One prompt's checks against the model's limits, and its sampling parameters."""
         lim = self.limits
         if not ids:
             raise bad_request("prompt: empty after tokenization", param="prompt")
@@ -360,7 +385,7 @@ class OpenAIIngress:
             raise validation_to_api_error(e) from None
         if params.logit_bias and any(t >= lim.vocab_size for t in params.logit_bias):
             raise bad_request(f"logit_bias: token ids must lie in [0, {lim.vocab_size})", param="logit_bias")
-        return req, ids, params
+        return _Prompt(ids, params, echo, echo_text, hide_output=max_tokens == 0)
 
     async def _generate(
         self, rid: str, ids: list[int], params: SamplingParams, arrival: float
@@ -466,6 +491,7 @@ class OpenAIIngress:
         builders: list[ResponseBuilder],
         include_usage: bool,
         endpoint: str,
+        n: int = 1,
     ) -> AsyncIterator[str]:
         status = 499
         last: dict[int, Any] = {}
@@ -494,7 +520,8 @@ class OpenAIIngress:
                 yield SSE_DONE
                 return
             if include_usage and last:
-                yield builders[0].usage_chunk([last[i] for i in sorted(last)])
+                prompt_tokens = sum(b.prompt_tokens for b in builders[::n])
+                yield builders[0].usage_chunk([last[i] for i in sorted(last)], prompt_tokens)
             yield SSE_DONE
             status = 200
         finally:

@@ -13,7 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-MAX_N = 16  # choices per request; each is an engine request of its own (sharing the prompt's cache)
+MAX_N = 16  # choices per prompt; each is an engine request of its own (sharing the prompt's cache)
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_CHOICES = 128  # prompts x n: engine requests one HTTP request may start
 
 
 class APIError(Exception):
@@ -159,15 +161,30 @@ class CompletionRequest(_Request):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, v: Any) -> str | list[int]:
-        # One prompt per request (no batching of prompts in one call): unwrap a one-element batch.
+    def _prompt(cls, v: Any) -> Any:
+        # a batch of prompts (strings or token-id lists) or one; a one-element batch is one
         if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            v = v[0]
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+            if len(v) == 1:
+                v = v[0]
+            elif any(len(p) == 0 for p in v):
+                raise ValueError("prompts must not be empty")
         if len(v) == 0:
             raise ValueError("prompt must not be empty")
         return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch (choices are prompt-major, n per prompt)."""
+        v = self.prompt
+        return list(v) if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+
+    @model_validator(mode="after")
+    def _batch_size(self) -> CompletionRequest:
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"prompts x n must not exceed {MAX_CHOICES}")
+        return self
 
 
 class TextPart(BaseModel):

@@ -195,19 +195,25 @@ class ResponseBuilder:
             }
         return self._chunk([choice])
 
-    def usage_chunk(self, outs: list[Any]) -> str:
-        """The closing usage chunk over the last output of each choice (prompt counted once)."""
+    def usage_chunk(self, outs: list[Any], prompt_tokens: int | None = None) -> str:
+        """The closing usage chunk over the last output of each choice; `prompt_tokens`: of all
+        the request's prompts (default this builder's), each counted once."""
         outs = [self._shown(o) for o in outs]
         cached = outs[0].metrics.num_cached_tokens if outs[0].metrics is not None else 0
-        return self._chunk([], usage=self.usage(sum(len(o.token_ids) for o in outs), cached))
+        usage = self.usage(sum(len(o.token_ids) for o in outs), cached)
+        if prompt_tokens is not None:
+            usage["prompt_tokens"] = prompt_tokens
+            usage["total_tokens"] = prompt_tokens + usage["completion_tokens"]
+        return self._chunk([], usage=usage)
 
 
-def merge_full(bodies: list[dict[str, Any]]) -> dict[str, Any]:
-    """One response of n choices from the n single-choice bodies (index order): the prompt counted
+def merge_full(bodies: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
+    """One response from single-choice bodies in index order (n per prompt): each prompt counted
     once, completion tokens summed, as OpenAI reports them."""
     merged = dict(bodies[0])
     merged["choices"] = [c for b in bodies for c in b["choices"]]
     usage = dict(bodies[0]["usage"])
+    usage["prompt_tokens"] = sum(b["usage"]["prompt_tokens"] for b in bodies[::n])
     usage["completion_tokens"] = sum(b["usage"]["completion_tokens"] for b in bodies)
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     merged["usage"] = usage

@@ -505,3 +505,26 @@ def test_echo_scores_the_prompt_as_eval_harnesses_ask(server: Any) -> None:
     streamed = "".join(ch.choices[0].text for ch in server.client.completions.create(stream=True, **kw)
                        if ch.choices)
     assert streamed == whole.text
+
+
+def test_a_batch_of_prompts(server: Any) -> None:
+    """Legacy completions with a list of prompts: choices prompt-major (index = prompt * n + j),
+    each equal to the prompt asked alone; usage counts every prompt once. A bad prompt in the
+    batch is a 400 naming it."""
+    prompts = ["def f(x):", "import numpy as np\n", "The answer is"]
+    kw = dict(model=MODEL, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True})
+    alone = [server.client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    r = server.client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [t for t in alone for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(len(server.tokenizer.encode(p)) for p in prompts)
+    assert r.usage.completion_tokens == 36
+    texts: dict[int, str] = {}
+    for chunk in server.client.completions.create(prompt=prompts, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == dict(enumerate(alone))
+    too_long = "x " * (server.config.engine.max_model_len + 10)
+    bad = httpx.post(server.base + "/v1/completions", json={"model": MODEL, "prompt": ["ok", too_long]},
+                     timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt[1]"
