@@ -152,8 +152,11 @@ class Engine:
         the prefix cache, and step counters and timing restart at zero."""
         t0 = time.monotonic()
         finished = threading.Event()
-        prompt = [1 + i % (self.vocab_size - 1) for i in range(16)]
-        req = Req("warmup", prompt, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0),
+        # 16 prompt tokens and 3 outputs where the context and the pool allow
+        n = max(1, min(16, self.max_model_len - 4, self.kv_capacity_tokens - 4))
+        prompt = [1 + i % (self.vocab_size - 1) for i in range(n)]
+        max_tokens = max(1, min(3, self.max_model_len - n - 1, self.kv_capacity_tokens - n))
+        req = Req("warmup", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
                   lambda out: finished.set() if out.finished else None,
                   IncrementalDetokenizer(self.tokenizer, prompt), self.eos_ids)
         self._inbox.put(_Add(req))

@@ -35,3 +35,13 @@ def test_warm_up_runs_forwards_at_start_and_leaves_no_trace(monkeypatch, warmup)
         assert {int(m) for m in forwards[:started]} >= {1, 2}
     else:
         assert started == 0
+
+
+def test_warm_up_fits_a_tiny_pool():
+    """A pool of two pages (16 tokens) still warms up, with a shorter request, and then serves."""
+    llm = LLM(model="tiny-dsv3", kv_cache_tokens=16, page_size=8, forward_executor="thread")
+    try:
+        out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=4))[0]
+        assert len(out.token_ids) >= 1
+    finally:
+        llm.shutdown()
