@@ -54,13 +54,32 @@ def _batch(lens: list[int], pool: MLATokenPool, device: str, host_lens: bool) ->
     return fb.to(device)
 
 
+def _pool(lens: list[int], cfg, dtype: torch.dtype, device: str) -> MLATokenPool:
+    """A one-layer pool with room for `lens`, filled with random latents."""
+    pool = MLATokenPool(1, sum(-(-n // 16) for n in lens) + 1, 16, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                        dtype, device)
+    pool.buf.normal_()
+    return pool
+
+
+def _timed_core(attn: MLAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, fb: ForwardBatch,
+                pool: MLATokenPool) -> tuple[torch.Tensor, float]:
+    """One attention call and its wall time (device-synchronized on CUDA)."""
+    cuda = q_nope.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = attn.core(q_nope, q_pe, fb, pool)
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
 def _extend(attn: MLAttention, cfg, args) -> dict:
     prefix, ext = [6000] + [0] * 15, [512] + [256] * 15
     lens = [p + e for p, e in zip(prefix, ext)]
     dtype = attn.kv_b_proj.weight.dtype
-    pool = MLATokenPool(1, sum(-(-n // 16) for n in lens) + 1, 16, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                        dtype, args.device)
-    pool.buf.normal_()
+    pool = _pool(lens, cfg, dtype, args.device)
     T = sum(ext)
     q_nope = torch.randn(T, args.heads, cfg.qk_nope_head_dim, device=args.device, dtype=dtype)
     q_pe = torch.randn(T, args.heads, cfg.qk_rope_head_dim, device=args.device, dtype=dtype)
@@ -82,13 +101,8 @@ def _extend(attn: MLAttention, cfg, args) -> dict:
             for k, budget in (("one_group", one_group), ("groups", default)):
                 deepseek_v3.EXTEND_GROUP_ELEMS = budget
                 fb = step()
-                if args.device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                outs[k] = attn.core(q_nope, q_pe, fb, pool)
-                if args.device == "cuda":
-                    torch.cuda.synchronize()
-                times[k].append(time.perf_counter() - t0)
+                outs[k], dt = _timed_core(attn, q_nope, q_pe, fb, pool)
+                times[k].append(dt)
                 outs[k + "_groups"] = len(fb.attn.layer_plan[0])
     deepseek_v3.EXTEND_GROUP_ELEMS = default
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
@@ -115,9 +129,7 @@ def main() -> None:
     width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     results = {}
     for name, lens in WORKLOADS.items():
-        pages = sum(-(-n // 16) for n in lens) + 1
-        pool = MLATokenPool(1, pages, 16, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, args.device)
-        pool.buf.normal_()
+        pool = _pool(lens, cfg, dtype, args.device)
         B = len(lens)
         q_nope = torch.randn(B, args.heads, cfg.qk_nope_head_dim, device=args.device, dtype=dtype)
         q_pe = torch.randn(B, args.heads, cfg.qk_rope_head_dim, device=args.device, dtype=dtype)
@@ -127,13 +139,8 @@ def main() -> None:
         with torch.inference_mode():
             for _ in range(args.repeats + 1):  # the first round warms up
                 for k, fb in batches.items():
-                    if args.device == "cuda":
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    outs[k] = attn.core(q_nope, q_pe, fb, pool)
-                    if args.device == "cuda":
-                        torch.cuda.synchronize()
-                    times[k].append(time.perf_counter() - t0)
+                    outs[k], dt = _timed_core(attn, q_nope, q_pe, fb, pool)
+                    times[k].append(dt)
         err = (outs["split"].float() - outs["one_pass"].float()).abs().max().item()
         plan = deepseek_v3.decode_plan(batches["split"], width)
         med = {k: statistics.median(v[1:]) for k, v in times.items()}
